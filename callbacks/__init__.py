@@ -1,0 +1,1 @@
+"""Lightning callbacks: generation evaluation and optimizer telemetry."""

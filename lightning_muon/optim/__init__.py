@@ -1,0 +1,6 @@
+"""Optimizers and their matrix kernels."""
+
+from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS, newton_schulz, row_norm, shape_factor
+from lightning_muon.optim.muon import PeriodicRowwiseMuon
+
+__all__ = ["DEFAULT_NS_COEFFICIENTS", "PeriodicRowwiseMuon", "newton_schulz", "row_norm", "shape_factor"]

@@ -1,0 +1,1 @@
+"""Generation-quality metrics (torchmetrics), their functional formulas and feature extractors."""

@@ -1,0 +1,1 @@
+"""DiT training recipes: LightningModule, data modules, CLI and configs."""

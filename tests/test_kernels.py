@@ -1,0 +1,100 @@
+"""NS5, RowNorm and the shape factor against straightforward references."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_muon.optim.kernels import (
+    DEFAULT_NS_COEFFICIENTS,
+    newton_schulz,
+    ns_flops,
+    resolve_ns_coefficients,
+    row_norm,
+    shape_factor,
+)
+
+
+def reference_ns(G: torch.Tensor, coefficients, eps=1e-7) -> torch.Tensor:
+    """Keller Jordan's loop on one matrix in float64: X ← aX + bAX + cA²X, A = XXᵀ, on the wide orientation."""
+    X = G.double()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (X.norm() + eps)
+    for a, b, c in coefficients:
+        A = X @ X.T
+        X = a * X + b * (A @ X) + c * (A @ A @ X)
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("shape", [(16, 48), (48, 16), (32, 32), (3, 7, 20)])
+def test_newton_schulz_matches_reference(shape):
+    torch.manual_seed(0)
+    G = torch.randn(shape, dtype=torch.float64)
+    out = newton_schulz(G, steps=5, dtype=torch.float64)
+    assert out.shape == G.shape and out.dtype == torch.float64
+    ref = torch.stack([reference_ns(g, [DEFAULT_NS_COEFFICIENTS] * 5) for g in G.reshape(-1, *shape[-2:])])
+    torch.testing.assert_close(out.reshape(ref.shape), ref, rtol=1e-10, atol=1e-10)
+
+
+def test_newton_schulz_custom_coefficient_sequence():
+    torch.manual_seed(1)
+    G = torch.randn(20, 30, dtype=torch.float64)
+    coeffs = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5), (1.5, -0.5, 0.0)]
+    torch.testing.assert_close(newton_schulz(G, 3, coeffs, dtype=torch.float64), reference_ns(G, coeffs))
+    with pytest.raises(ValueError, match="3 Newton-Schulz coefficient triples for 5 steps"):
+        newton_schulz(G, 5, coeffs)
+    with pytest.raises(ValueError, match="positive integer"):
+        resolve_ns_coefficients(DEFAULT_NS_COEFFICIENTS, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (128, 128)])
+def test_newton_schulz_singular_values_in_keller_band(shape, dtype):
+    """Keller's coefficients map singular values spread over two decades into roughly [0.68, 1.2] (not to 1)."""
+    torch.manual_seed(2)
+    m, n = shape
+    p = min(m, n)
+    U, V = torch.linalg.qr(torch.randn(m, p))[0], torch.linalg.qr(torch.randn(n, p))[0]
+    G = U @ torch.diag(torch.logspace(-2, 0, p)) @ V.T
+    S = torch.linalg.svdvals(newton_schulz(G, dtype=dtype).double())
+    assert S.min() > 0.65 and S.max() < 1.25, (S.min().item(), S.max().item())
+
+
+def test_newton_schulz_rejects_vectors():
+    with pytest.raises(ValueError, match="needs matrices"):
+        newton_schulz(torch.ones(5))
+
+
+@pytest.mark.parametrize("shape", [(8, 20), (20, 8), (3, 5, 9), (3, 9, 5)])
+def test_row_norm_matches_dense_formula(shape):
+    torch.manual_seed(3)
+    X = torch.randn(shape, dtype=torch.float64)
+    out = row_norm(X)
+    m, n = shape[-2:]
+    dim = -1 if m <= n else -2  # the min(m, n) vectors run along the longer axis
+    torch.testing.assert_close(out, X / X.norm(dim=dim, keepdim=True))
+    torch.testing.assert_close(
+        torch.linalg.matrix_norm(out), torch.full(shape[:-2], math.sqrt(min(m, n)), dtype=X.dtype)
+    )
+
+
+def test_row_norm_zero_rows_stay_zero():
+    X = torch.randn(4, 10)
+    X[1] = 0.0
+    X[2] = 1e-12
+    out = row_norm(X)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1], torch.zeros(10))
+    torch.testing.assert_close(out[0].norm(), torch.tensor(1.0))
+    Xt = X.T.contiguous()  # tall: the zero vector is now a column
+    assert torch.equal(row_norm(Xt)[:, 1], torch.zeros(10))
+
+
+def test_shape_factor_and_flops():
+    assert shape_factor((64, 16)) == 2.0 and shape_factor((16, 64)) == 1.0
+    assert shape_factor((64, 16), "match_rms_adamw") == pytest.approx(0.2 * 8)
+    with pytest.raises(ValueError, match="adjust_lr must be one of"):
+        shape_factor((4, 4), "spectral")
+    assert ns_flops((30, 10), steps=1) == 4 * 10 * 10 * 30 + 2 * 10**3 == ns_flops((10, 30), steps=1)

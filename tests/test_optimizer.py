@@ -1,0 +1,295 @@
+"""PeriodicRowwiseMuon against independent references: torch.optim.Muon, torch.optim.AdamW, a float64 loop."""
+
+import io
+import math
+
+import pytest
+import torch
+from helpers import tiny_dit
+
+from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
+from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS
+
+SHAPES = [(32, 16), (16, 32), (24, 24), (32, 16), (16, 32)]  # repeated shapes exercise the batched NS5
+
+
+def make_params(shapes=SHAPES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def run(optimizers_and_params, steps, seed=1):
+    """Step every optimizer on the same gradient sequence."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        grads = [torch.randn(p.shape, generator=g) for p in optimizers_and_params[0][1]]
+        for opt, params in optimizers_and_params:
+            for p, gr in zip(params, grads):
+                p.grad = gr.clone()
+            opt.step()
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------------------------- vanilla Muon
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_period_one_matches_torch_muon(nesterov, adjust_lr):
+    ours, theirs, wrong = make_params(), make_params(), make_params()
+    kwargs = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=0.1)
+    runs = [
+        (PeriodicRowwiseMuon(ours, period=1, adjust_lr=adjust_lr, ns_dtype=torch.bfloat16, **kwargs), ours),
+        (torch.optim.Muon(theirs, adjust_lr_fn=adjust_lr, **kwargs), theirs),
+        # one coefficient off by 1%: the tolerance below must catch it, or the comparison proves nothing
+        (torch.optim.Muon(wrong, adjust_lr_fn=adjust_lr, ns_coefficients=(3.4445, -4.7750 * 1.01, 2.0315), **kwargs),
+         wrong),
+    ]  # fmt: skip
+    run(runs, steps=20)
+    tol = 1e-5
+    assert max_diff(ours, theirs) <= tol
+    assert max_diff(wrong, theirs) > 10 * tol
+
+
+# ------------------------------------------------------------------------------------- the periodic algorithm
+def reference_step(W, G, M, t, *, lr, beta, nesterov, wd, K, gamma, adjust_lr, eps=1e-7):
+    """DESIGN.md §1 written out in float64 on one matrix, independent of the library's kernels."""
+    M = beta * M + (1 - beta) * G
+    N = beta * M + (1 - beta) * G if nesterov else M
+    m, n = W.shape
+    s = math.sqrt(max(1, m / n)) if adjust_lr == "original" else 0.2 * math.sqrt(max(m, n))
+    if (t - 1) % K == 0:
+        X = N.T if m > n else N
+        X = X / (X.norm() + eps)
+        for _ in range(5):
+            a, b, c = DEFAULT_NS_COEFFICIENTS
+            A = X @ X.T
+            X = a * X + b * A @ X + c * A @ A @ X
+        U = s * (X.T if m > n else X)
+    else:
+        if m <= n:
+            U = gamma * s * N / N.norm(dim=1, keepdim=True)
+        else:
+            U = gamma * s * N / N.norm(dim=0, keepdim=True)
+    return W * (1 - lr * wd) - lr * U, M
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("period", [2, 3])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_periodic_matches_float64_reference(nesterov, period, adjust_lr):
+    hyper = dict(lr=0.05, nesterov=nesterov, wd=0.05, K=period, gamma=0.15, adjust_lr=adjust_lr)
+    params = [p.double() for p in make_params()]
+    params = [torch.nn.Parameter(p.detach()) for p in params]
+    ref = [p.detach().clone() for p in params]
+    moms = [torch.zeros_like(p) for p in ref]
+    opt = PeriodicRowwiseMuon(params, lr=0.05, period=period, rownorm_scale=0.15, momentum=0.95, nesterov=nesterov,
+                              weight_decay=0.05, adjust_lr=adjust_lr, ns_dtype=torch.float64)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    for t in range(1, 13):
+        grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+        for p, gr in zip(params, grads):
+            p.grad = gr
+        opt.step()
+        for i, gr in enumerate(grads):
+            ref[i], moms[i] = reference_step(ref[i], gr, moms[i], t, beta=0.95, **hyper)
+        torch.testing.assert_close([p.detach() for p in params], ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("period", [1, 2, 3, 5])
+def test_branch_sequence(period):
+    params = make_params()
+    opt = PeriodicRowwiseMuon(params, lr=0.01, period=period)
+    seen = []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        seen.append(dict(opt.last_branches))
+    expected = [(t - 1) % period == 0 for t in range(1, 13)]
+    assert [b["refresh"] == len(params) and b["rownorm"] == 0 for b in seen] == expected
+    assert [b["rownorm"] == len(params) and b["refresh"] == 0 for b in seen] == [not e for e in expected]
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48)])
+@pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+def test_rownorm_step_has_the_predicted_frobenius_norm(shape, adjust_lr):
+    """‖ΔW‖_F = lr·γ·s(m,n)·√min(m,n) on a RowNorm step (weight decay 0, no zero rows)."""
+    (p,) = make_params([shape])
+    lr, gamma = 0.03, 0.2
+    opt = PeriodicRowwiseMuon([p], lr=lr, period=2, rownorm_scale=gamma, adjust_lr=adjust_lr)
+    p.grad = torch.randn(shape)
+    opt.step()  # refresh
+    before = p.detach().clone()
+    p.grad = torch.randn(shape)
+    opt.step()  # RowNorm
+    assert opt.last_branches == {"refresh": 0, "rownorm": 1}
+    m, n = shape
+    s = math.sqrt(max(1, m / n)) if adjust_lr == "original" else 0.2 * math.sqrt(max(m, n))
+    expected = lr * gamma * s * math.sqrt(min(m, n))
+    assert (p.detach() - before).norm().item() == pytest.approx(expected, rel=1e-5)
+
+
+# -------------------------------------------------------------------------------------------------- AdamW
+@pytest.mark.parametrize("foreach", [True, False])
+def test_adamw_groups_match_torch_adamw_exactly(foreach):
+    shapes = [(7,), (3, 5), (2, 3, 4), (11,)]
+    ours, theirs = make_params(shapes), make_params(shapes)
+    hyper = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.02)
+    opt = PeriodicRowwiseMuon([{"params": ours, "use_muon": False, **hyper}], foreach=foreach)
+    ref = torch.optim.AdamW(theirs, foreach=foreach, **hyper)
+    run([(opt, ours), (ref, theirs)], steps=15)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_mixed_groups_and_adamw_defaults():
+    muon_p, adam_p = make_params([(8, 4)]), make_params([(4,)])
+    opt = PeriodicRowwiseMuon(
+        [{"params": muon_p}, {"params": adam_p, "use_muon": False}], lr=0.02, adamw_lr=1e-3, weight_decay=0.1,
+        adamw_weight_decay=0.0,
+    )  # fmt: skip
+    assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert opt.param_groups[0]["lr"] == 0.02 and "betas" not in opt.param_groups[0]
+    run([(opt, muon_p + adam_p)], steps=2)
+    assert set(opt.state[adam_p[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(opt.state[muon_p[0]]) == {"step", "momentum_buffer"}
+
+
+# ------------------------------------------------------------------------------------------------- resume
+def _dit_optimizer(model):
+    groups = muon_param_groups(model, adamw={"lr": 1e-3})
+    return PeriodicRowwiseMuon(groups, lr=0.02, period=3, weight_decay=0.01, ns_dtype="bfloat16")
+
+
+def _train(model, opt, steps, start):
+    for t in range(start, start + steps):
+        g = torch.Generator().manual_seed(t)
+        torch.manual_seed(t)  # diffusers drops class labels at random in train mode (classifier-free guidance)
+        x = torch.randn(4, 4, 8, 8, generator=g)
+        timestep = torch.randint(0, 1000, (4,), generator=g)
+        labels = torch.randint(0, 10, (4,), generator=g)
+        loss = model(x, timestep=timestep, class_labels=labels).sample.square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_resume_is_bit_identical():
+    straight = tiny_dit()
+    opt = _dit_optimizer(straight)
+    _train(straight, opt, 20, start=0)
+
+    first = tiny_dit()
+    opt1 = _dit_optimizer(first)
+    _train(first, opt1, 10, start=0)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt1.state_dict()}, buffer)
+    buffer.seek(0)
+    ckpt = torch.load(buffer, weights_only=True)
+
+    resumed = tiny_dit(seed=123)  # different init: everything must come from the checkpoint
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = _dit_optimizer(resumed)
+    opt2.load_state_dict(ckpt["optimizer"])
+    assert opt2.param_groups[0]["ns_dtype"] == torch.bfloat16
+    _train(resumed, opt2, 10, start=10)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_load_state_dict_from_other_layout_is_an_error():
+    a = PeriodicRowwiseMuon([torch.nn.Parameter(torch.randn(8, 4))])
+    a.param_groups[0]["params"][0].grad = torch.randn(8, 4)
+    a.step()
+    b = PeriodicRowwiseMuon([torch.nn.Parameter(torch.randn(4, 8))])
+    with pytest.raises(ValueError, match=r"has shape \(8, 4\), the parameter has shape \(4, 8\)"):
+        b.load_state_dict(a.state_dict())
+    c = PeriodicRowwiseMuon([{"params": [torch.nn.Parameter(torch.randn(8, 4))], "use_muon": False}])
+    with pytest.raises(ValueError, match="use_muon"):
+        c.load_state_dict(a.state_dict())
+    d = PeriodicRowwiseMuon([torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))])
+    with pytest.raises(ValueError, match="2 parameters, the saved one 1"):
+        d.load_state_dict(a.state_dict())
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"period": 0}, "period"),
+        ({"period": 1.5}, "period"),
+        ({"lr": -1.0}, "lr must be"),
+        ({"rownorm_scale": -0.1}, "rownorm_scale"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": -0.1}, "momentum"),
+        ({"adjust_lr": "spectral"}, "adjust_lr"),
+        ({"ns_dtype": "float16"}, "ns_dtype"),
+        ({"ns_steps": 0}, "positive integer"),
+        ({"betas": (0.9, 1.0)}, None),  # only checked on AdamW groups: Muon group builds fine
+    ],
+)
+def test_bad_hyperparameters(kwargs, message):
+    params = [torch.nn.Parameter(torch.randn(4, 4))]
+    if message is None:
+        PeriodicRowwiseMuon(params, **kwargs)
+        with pytest.raises(ValueError, match="betas"):
+            PeriodicRowwiseMuon([{"params": params, "use_muon": False}], **kwargs)
+        return
+    with pytest.raises(ValueError, match=message):
+        PeriodicRowwiseMuon(params, **kwargs)
+
+
+def test_unknown_group_option_and_duplicates():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match="Unknown option"):
+        PeriodicRowwiseMuon([{"params": [p], "use_muon": False, "period": 3}])
+    with pytest.raises(ValueError, match="appears twice"):
+        PeriodicRowwiseMuon([p, p])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        PeriodicRowwiseMuon([{"params": [p]}, {"params": [p]}])
+
+
+def test_non_matrix_in_muon_group_names_the_parameter():
+    with pytest.raises(ValueError, match=r"'block.bias' \(4,\) is in a Muon group but is not a 2-D matrix"):
+        PeriodicRowwiseMuon([("block.weight", torch.nn.Parameter(torch.randn(4, 4))),
+                             ("block.bias", torch.nn.Parameter(torch.randn(4)))])  # fmt: skip
+
+
+def test_sparse_and_complex_gradients_are_rejected():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = PeriodicRowwiseMuon([p])
+    p.grad = torch.randn(4, 4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    q = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    opt = PeriodicRowwiseMuon([q])
+    q.grad = torch.randn(4, 4, dtype=torch.complex64)
+    with pytest.raises(RuntimeError, match="complex"):
+        opt.step()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_raises_with_name_or_skips(bad):
+    good, broken = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3))
+    groups = [{"params": [("w", good)]}, {"params": [("norm.bias", broken)], "use_muon": False}]
+    opt = PeriodicRowwiseMuon(groups)
+    good.grad, broken.grad = torch.randn(4, 4), torch.tensor([0.0, bad, 1.0])
+    before = good.detach().clone()
+    with pytest.raises(FloatingPointError, match="'norm.bias'"):
+        opt.step()
+    assert torch.equal(good, before)  # nothing was updated, not even the finite group
+
+    opt = PeriodicRowwiseMuon(groups, skip_nonfinite=True)
+    opt.step()
+    assert opt.nonfinite_steps_skipped == 1 and torch.equal(good, before)
+    broken.grad = torch.ones(3)
+    opt.step()
+    assert not torch.equal(good, before) and opt.state[good]["step"].item() == 1.0
