@@ -83,18 +83,29 @@ def reference_step(W, G, M, t, *, lr, beta, nesterov, wd, K, gamma, adjust_lr, e
 @pytest.mark.parametrize("period", [2, 3])
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
 def test_periodic_matches_float64_reference(nesterov, period, adjust_lr):
+    check_against_reference(nesterov, period, adjust_lr, fused=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fused_rownorm_matches_float64_reference(nesterov):
+    """The torch.compile kernels are shape- and scale-generic: one configuration per nesterov mode suffices."""
+    check_against_reference(nesterov, period=3, adjust_lr="original", fused=True)
+
+
+def check_against_reference(nesterov, period, adjust_lr, fused):
     hyper = dict(lr=0.05, nesterov=nesterov, wd=0.05, K=period, gamma=0.15, adjust_lr=adjust_lr)
     params = [p.double() for p in make_params()]
     params = [torch.nn.Parameter(p.detach()) for p in params]
     ref = [p.detach().clone() for p in params]
     moms = [torch.zeros_like(p) for p in ref]
     opt = PeriodicRowwiseMuon(params, lr=0.05, period=period, rownorm_scale=0.15, momentum=0.95, nesterov=nesterov,
-                              weight_decay=0.05, adjust_lr=adjust_lr, ns_dtype=torch.float64)  # fmt: skip
+                              weight_decay=0.05, adjust_lr=adjust_lr, ns_dtype=torch.float64, fused=fused)  # fmt: skip
     g = torch.Generator().manual_seed(5)
     for t in range(1, 13):
         grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
         for p, gr in zip(params, grads):
-            p.grad = gr
+            p.grad = gr.clone()  # step() writes the Nesterov look-ahead into .grad
         opt.step()
         for i, gr in enumerate(grads):
             ref[i], moms[i] = reference_step(ref[i], gr, moms[i], t, beta=0.95, **hyper)
@@ -293,3 +304,19 @@ def test_nonfinite_gradient_raises_with_name_or_skips(bad):
     broken.grad = torch.ones(3)
     opt.step()
     assert not torch.equal(good, before) and opt.state[good]["step"].item() == 1.0
+
+
+def test_nonfinite_gradient_on_a_rownorm_step_leaves_state_untouched():
+    """RowNorm steps detect NaN through their row statistics, before momentum or weights are written."""
+    wide, tall = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(8, 4))
+    opt = PeriodicRowwiseMuon([("wide", wide), ("tall", tall)], period=3)
+    wide.grad, tall.grad = torch.randn(4, 8), torch.randn(8, 4)
+    opt.step()  # refresh
+    snapshot = [t.clone() for t in (wide, tall, opt.state[tall]["momentum_buffer"])]
+    wide.grad, tall.grad = torch.randn(4, 8), torch.randn(8, 4)
+    tall.grad[5, 2] = float("nan")
+    with pytest.raises(FloatingPointError, match="'tall'"):
+        opt.step()
+    for before, after in zip(snapshot, (wide, tall, opt.state[tall]["momentum_buffer"])):
+        assert torch.equal(before, after)
+    assert opt.state[tall]["step"].item() == 1.0

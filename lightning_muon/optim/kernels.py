@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -61,8 +62,8 @@ def newton_schulz(
         A_k = X_k X_k^\top, \qquad
         X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k
 
-    The iteration runs on the orientation whose Gram matrix is ``min(m, n)²`` and returns the input's
-    orientation. With the default coefficients the singular values land in roughly [0.7, 1.2] (Keller Jordan).
+    The Gram matrix is the small side, ``min(m, n)²`` (for ``m > n`` the same recursion on :math:`X^\top`).
+    With the default coefficients the singular values land in roughly [0.7, 1.2] (Keller Jordan).
 
     Args:
         X: matrices, ``(..., m, n)``.
@@ -76,20 +77,24 @@ def newton_schulz(
     """
     if X.ndim < 2:
         raise ValueError(f"newton_schulz needs matrices (..., m, n), got shape {tuple(X.shape)}.")
-    triples = resolve_ns_coefficients(coefficients, steps)
     batch_shape, (m, n) = X.shape[:-2], X.shape[-2:]
-    X = X.reshape(-1, m, n).to(dtype or X.dtype)
-    transposed = m > n
-    if transposed:
-        X = X.mT
-    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)
+    X = X.to(dtype or X.dtype, copy=True).reshape(-1, m, n)
+    return newton_schulz_(X, steps, coefficients, eps).reshape(*batch_shape, m, n)
+
+
+def newton_schulz_(X: Tensor, steps: int, coefficients: Coefficients, eps: float) -> Tensor:
+    """:func:`newton_schulz` on a contiguous ``(B, m, n)`` batch that it may overwrite (normalized in place)."""
+    triples = resolve_ns_coefficients(coefficients, steps)
+    m, n = X.shape[-2:]
+    X.div_(torch.linalg.matrix_norm(X, keepdim=True).add_(eps))
+    tall = m > n
     for a, b, c in triples:
-        A = torch.bmm(X, X.mT)
+        # Tall matrices iterate X <- aX + X(bA + cA²) with A = XᵀX: the transposed recursion written without
+        # transposing (A and bA + cA² are symmetric), so every operand stays contiguous.
+        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    if transposed:
-        X = X.mT
-    return X.reshape(*batch_shape, m, n)
+        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+    return X
 
 
 def row_norm(X: Tensor, eps: float = 1e-7) -> Tensor:
@@ -101,7 +106,7 @@ def row_norm(X: Tensor, eps: float = 1e-7) -> Tensor:
     """
     if X.ndim < 2:
         raise ValueError(f"row_norm needs matrices (..., m, n), got shape {tuple(X.shape)}.")
-    return X / row_norm_denominator(X, eps)
+    return X / torch.linalg.vector_norm(X, dim=row_norm_dim(X.shape), keepdim=True).clamp_min_(eps)
 
 
 def row_norm_dim(shape: Sequence[int]) -> int:
@@ -109,9 +114,36 @@ def row_norm_dim(shape: Sequence[int]) -> int:
     return -1 if shape[-2] <= shape[-1] else -2
 
 
-def row_norm_denominator(X: Tensor, eps: float = 1e-7) -> Tensor:
-    """Per-vector L2 norms of :func:`row_norm`, clamped below at ``eps``, broadcastable against ``X``."""
-    return torch.linalg.vector_norm(X, dim=row_norm_dim(X.shape), keepdim=True).clamp_min_(eps)
+def rownorm_sumsq(M: Tensor, G: Tensor, beta: float, nesterov: bool, dim: int) -> Tensor:
+    r"""Row statistics of a RowNorm step, read-only: :math:`\sum N^2` along ``dim`` (kept) for the update direction
+    this step will produce, computed from the *old* momentum so nothing is written before gradients are checked.
+
+    nesterov: :math:`N = \beta M_t + (1-\beta) G = \beta^2 M_{t-1} + (1-\beta^2) G`; else :math:`N = M_t`.
+    Non-finite entries of ``G`` make the result non-finite. Sums of squares (not norms) so shards can be added up.
+    """
+    N = torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
+    return N.square_().sum(dim=dim, keepdim=True)  # eager: 7x faster than vector_norm across rows (dim=-2)
+
+
+def rownorm_update_(
+    W: Tensor, M: Tensor, G: Tensor, sumsq: Tensor, beta: float, nesterov: bool, decay: float, scale: float, eps: float
+) -> None:
+    r"""One RowNorm step in place: :math:`M \leftarrow \beta M + (1-\beta)G`, :math:`N` (written over ``G``),
+    :math:`W \leftarrow \text{decay}\cdot W + \text{scale}\cdot N / \max(\sqrt{\text{sumsq}}, \varepsilon)`."""
+    M.lerp_(G, 1 - beta)
+    N = G.lerp_(M, beta) if nesterov else M
+    if decay != 1.0:
+        W.mul_(decay)
+    W.addcdiv_(N, sumsq.sqrt().clamp_min(eps), value=scale)
+
+
+@functools.cache
+def compiled_rownorm_kernels() -> tuple[Callable[..., Tensor], Callable[..., None]]:
+    """:func:`rownorm_sumsq` and :func:`rownorm_update_` compiled by inductor into one pass each (shape-dynamic)."""
+    return (
+        torch.compile(rownorm_sumsq, dynamic=True, fullgraph=True),
+        torch.compile(rownorm_update_, dynamic=True, fullgraph=True),
+    )
 
 
 def shape_factor(shape: Sequence[int], adjust_lr: str = "original") -> float:
