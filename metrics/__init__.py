@@ -1,1 +1,27 @@
 """Generation-quality metrics (torchmetrics), their functional formulas and feature extractors."""
+
+from lightning_muon.metrics.features import (
+    ClipFeatures,
+    DigitsFeatures,
+    DinoV2Features,
+    FeatureExtractor,
+    InceptionFeatures,
+)
+from lightning_muon.metrics.generation import (
+    FrechetDistance,
+    HPSv2Score,
+    MaximumMeanDiscrepancy,
+    PrecisionRecallDensityCoverage,
+)
+
+__all__ = [
+    "ClipFeatures",
+    "DigitsFeatures",
+    "DinoV2Features",
+    "FeatureExtractor",
+    "FrechetDistance",
+    "HPSv2Score",
+    "InceptionFeatures",
+    "MaximumMeanDiscrepancy",
+    "PrecisionRecallDensityCoverage",
+]

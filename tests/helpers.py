@@ -21,3 +21,83 @@ def tiny_pixart(num_layers: int = 2, seed: int = 0):
         num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=num_layers,
         cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12,
     )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- multi-process runs
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _distributed_entry(rank, fn, world_size, port, out_dir, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size, *args):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo on 127.0.0.1); their results.
+
+    ``fn`` must be importable (defined in this module or the library).
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_distributed_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size)
+        return [torch.load(f"{out_dir}/{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def digits_images(n: int, noise: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """The first ``n`` sklearn digits as uint8 images (n, 1, 8, 8), optionally with Gaussian pixel noise."""
+    from sklearn.datasets import load_digits
+
+    x = torch.tensor(load_digits().images[:n] / 16.0, dtype=torch.float32)[:, None]
+    x = x + noise * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed))
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def metric_values(metrics, real, fake, batch_size):
+    """Update each metric in batches with real and fake images, then compute; scalars as floats."""
+    out = {}
+    for name, metric in metrics.items():
+        for i in range(0, len(real), batch_size):
+            metric.update(real[i : i + batch_size], real=True)
+        for i in range(0, len(fake), batch_size):
+            metric.update(fake[i : i + batch_size], real=False)
+        value = metric.compute()
+        out.update(
+            {f"{name}/{k}": float(v) for k, v in value.items()} if isinstance(value, dict) else {name: float(value)}
+        )
+    return out
+
+
+def digits_metrics(classifier_path):
+    from lightning_muon.metrics import (
+        DigitsFeatures,
+        FrechetDistance,
+        MaximumMeanDiscrepancy,
+        PrecisionRecallDensityCoverage,
+    )
+
+    features = DigitsFeatures(classifier_path)
+    return {
+        "fd": FrechetDistance(features),
+        "prdc": PrecisionRecallDensityCoverage(features, k=5),
+        "mmd": MaximumMeanDiscrepancy(features, sigma=1.0),
+    }
+
+
+def ddp_metric_worker(rank, world_size, classifier_path, n_real, n_fake):
+    """Each rank sees the samples i ≡ rank (mod world size): uneven shards when sizes are not divisible."""
+    real, fake = digits_images(n_real), digits_images(n_fake, noise=0.2)
+    return metric_values(digits_metrics(classifier_path), real[rank::world_size], fake[rank::world_size], 16)
