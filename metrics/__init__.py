@@ -12,6 +12,8 @@ from lightning_muon.metrics.generation import (
     HPSv2Score,
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
+    ensure_reference,
+    update_with_images,
 )
 
 __all__ = [
@@ -24,4 +26,6 @@ __all__ = [
     "InceptionFeatures",
     "MaximumMeanDiscrepancy",
     "PrecisionRecallDensityCoverage",
+    "ensure_reference",
+    "update_with_images",
 ]

@@ -66,7 +66,7 @@ def resize_normalize(x: Tensor, size: int, mean: tuple[float, ...], std: tuple[f
 
 
 class FeatureExtractor(nn.Module):
-    """Base class: ``name`` and ``num_features`` (torchmetrics' FID reads it), chunked no-grad ``forward``.
+    """Base class: ``name`` and ``num_features`` (torchmetrics' FID reads it), chunked inference-mode ``forward``.
 
     Subclasses implement :meth:`features` on one chunk. ``autocast`` runs the network in bf16 on CUDA.
     """
@@ -86,10 +86,11 @@ class FeatureExtractor(nn.Module):
         device = next(self.parameters()).device
         use_bf16 = self.autocast and device.type == "cuda"
         out = []
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+        with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             for chunk in images.split(self.batch_size):
                 out.append(self.features(chunk.to(device)).float())
-        return torch.cat(out) if out else images.new_zeros((0, self.num_features), dtype=torch.float32)
+        # clone: an ordinary tensor, so metric states may be updated in place with it outside inference mode
+        return torch.cat(out).clone() if out else torch.zeros((0, self.num_features), device=device)
 
     def train(self, mode: bool = True) -> FeatureExtractor:
         """Extractors stay in eval mode (no dropout / batch-norm updates), whatever the parent module does."""

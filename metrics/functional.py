@@ -42,15 +42,33 @@ def frechet_distance(mu1: Tensor, sigma1: Tensor, mu2: Tensor, sigma2: Tensor) -
     return (mu1 - mu2).square().sum() + sigma1.trace() + sigma2.trace() - 2 * trace_sqrt
 
 
-def _sq_dists(a: Tensor, b: Tensor) -> Tensor:
-    """Squared Euclidean distances ``(len(a), len(b))`` via ‖a‖² + ‖b‖² − 2ab (one matmul), clamped at 0."""
-    return (a.square().sum(1, keepdim=True) + b.square().sum(1) - 2 * a @ b.T).clamp_min_(0)
+def _sq_dists(a: Tensor, b: Tensor, a_sq: Tensor, b_sq: Tensor) -> Tensor:
+    """Squared Euclidean distances ``(len(a), len(b))`` as ‖b‖² − 2ab + ‖a‖²: one ``addmm`` and one in-place add."""
+    return torch.addmm(b_sq[None, :], a, b.T, alpha=-2).add_(a_sq[:, None])
+
+
+def _merge_smallest(best: Tensor, candidates: Tensor) -> Tensor:
+    """Row-wise ``best.shape[1]`` smallest of ``best`` and ``candidates`` together."""
+    return torch.cat([best, candidates], 1).topk(best.shape[1], dim=1, largest=False).values
 
 
 def _kth_neighbour_sq_radii(x: Tensor, k: int, chunk: int) -> Tensor:
-    """Squared distance of each row of ``x`` to its k-th nearest other row (the row itself is the 0-th)."""
-    return torch.cat([_sq_dists(x[i : i + chunk], x).topk(k + 1, dim=1, largest=False).values[:, k]
-                      for i in range(0, len(x), chunk)])  # fmt: skip
+    """Squared distance of each row of ``x`` to its k-th nearest other row (the row itself is the 0-th).
+
+    Distances are symmetric, so only blocks (i, j ≥ i) are computed; each serves the rows of i (top-k along
+    columns) and of j (top-k along rows), with running top-(k+1) lists merged per block: half the matmuls.
+    """
+    n, x_sq = len(x), x.square().sum(1)
+    best = torch.full((n, k + 1), float("inf"), dtype=x.dtype, device=x.device)
+    for i in range(0, n, chunk):
+        for j in range(i, n, chunk):
+            d = _sq_dists(x[i : i + chunk], x[j : j + chunk], x_sq[i : i + chunk], x_sq[j : j + chunk])
+            best[i : i + chunk] = _merge_smallest(best[i : i + chunk], d.topk(min(k + 1, d.shape[1]), dim=1,
+                                                                              largest=False).values)  # fmt: skip
+            if j != i:
+                col = d.topk(min(k + 1, d.shape[0]), dim=0, largest=False).values.T
+                best[j : j + chunk] = _merge_smallest(best[j : j + chunk], col)
+    return best[:, k].clamp_min(0)
 
 
 def prdc(
@@ -89,8 +107,9 @@ def prdc(
     fake_in_real_balls = torch.zeros(len(fake), dtype=torch.long, device=fake.device)  # Σ_i [x̂_j ∈ B(x_i, r_i)]
     real_in_fake_ball = torch.zeros(len(real), dtype=torch.bool, device=real.device)
     real_ball_has_fake = torch.zeros(len(real), dtype=torch.bool, device=real.device)
+    real_sq, fake_sq = real.square().sum(1), fake.square().sum(1)
     for i in range(0, len(real), chunk_size):
-        d = _sq_dists(real[i : i + chunk_size], fake)  # (chunk, M)
+        d = _sq_dists(real[i : i + chunk_size], fake, real_sq[i : i + chunk_size], fake_sq).clamp_min_(0)  # (chunk, M)
         inside = d < real_radii[i : i + chunk_size, None]
         fake_in_real_balls += inside.sum(0)
         real_ball_has_fake[i : i + chunk_size] = inside.any(1)
@@ -120,7 +139,9 @@ def mmd(x: Tensor, y: Tensor, sigma: float = 10.0, scale: float = 1000.0, chunk_
     gamma = 1.0 / (2 * sigma**2)
 
     def mean_kernel(a: Tensor, b: Tensor) -> Tensor:
-        total = sum((-gamma * _sq_dists(a[i : i + chunk_size], b)).exp_().sum() for i in range(0, len(a), chunk_size))
-        return total / (len(a) * len(b))
+        a_sq, b_sq = a.square().sum(1), b.square().sum(1)
+        blocks = (_sq_dists(a[i : i + chunk_size], b, a_sq[i : i + chunk_size], b_sq).clamp_min_(0)
+                  for i in range(0, len(a), chunk_size))  # fmt: skip
+        return sum(d.mul_(-gamma).exp_().sum() for d in blocks) / (len(a) * len(b))
 
     return scale * (mean_kernel(x, x) + mean_kernel(y, y) - 2 * mean_kernel(x, y))

@@ -7,7 +7,7 @@ synchronized states, so under DDP it is never summed or concatenated across rank
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,14 @@ from lightning_muon.metrics.features import (
 )
 from lightning_muon.metrics.functional import frechet_distance, gaussian_from_sums, mmd, prdc
 
-__all__ = ["FrechetDistance", "HPSv2Score", "MaximumMeanDiscrepancy", "PrecisionRecallDensityCoverage"]
+__all__ = [
+    "FrechetDistance",
+    "HPSv2Score",
+    "MaximumMeanDiscrepancy",
+    "PrecisionRecallDensityCoverage",
+    "ensure_reference",
+    "update_with_images",
+]
 
 
 class _ReferenceCache:
@@ -241,3 +248,39 @@ class HPSv2Score(Metric):
         if int(self.count) == 0:
             raise ValueError("HPSv2Score has no samples; call update(images, prompts) first.")
         return (self.score_sum / self.count).float()
+
+
+def update_with_images(
+    metric: Metric, batches: Iterable[Tensor], real: bool, progress: bool = True, desc: str | None = None
+) -> int:
+    """Feed every image batch to ``metric.update(images, real=real)`` under a tqdm bar; the number of images."""
+    from tqdm.auto import tqdm
+
+    count = 0
+    total = len(batches) if hasattr(batches, "__len__") else None
+    bar = tqdm(batches, total=total, desc=desc or ("real" if real else "generated"), unit="batch",
+               disable=not progress, leave=False)  # fmt: skip
+    for images in bar:
+        metric.update(images, real=real)
+        count += len(images)
+    return count
+
+
+def ensure_reference(
+    metric: _ReferenceCache,
+    path: str | os.PathLike,
+    real_batches: Callable[[], Iterable[Tensor]],
+    progress: bool = True,
+) -> None:
+    """Load the reference statistics cached at ``path``, or compute them from ``real_batches()`` once and save them.
+
+    Under DDP every rank must call this; each passes its own shard of the real images and rank 0 writes the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        update_with_images(metric, real_batches(), real=True, progress=progress, desc=f"reference {metric.kind}")
+        metric.save_reference(path)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # the file exists for every rank before anyone loads it
+    metric.load_reference(path)
+    metric.reset()  # drop the per-rank real states; the loaded reference replaces them

@@ -15,6 +15,8 @@ from lightning_muon.metrics import (
     InceptionFeatures,
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
+    ensure_reference,
+    update_with_images,
 )
 from lightning_muon.metrics.functional import frechet_distance, mmd, prdc
 
@@ -87,6 +89,25 @@ def test_reference_save_load_and_reset(classifier_path, tmp_path):
                 assert float(a) == pytest.approx(float(b), rel=1e-6)
         with pytest.raises(RuntimeError, match="real=False"):
             cached.update(real, real=True)
+
+
+def test_ensure_reference_computes_once_then_loads(classifier_path, tmp_path):
+    real, fake = digits_images(120), digits_images(80, noise=0.2)
+    path = tmp_path / "ref.pt"
+    first = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
+    ensure_reference(first, path, lambda: real.split(32), progress=False)
+    assert path.is_file()
+
+    def must_not_run():
+        raise AssertionError("the cached reference must be used")
+
+    second = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
+    ensure_reference(second, path, must_not_run, progress=False)
+    assert update_with_images(second, fake.split(32), real=False, progress=False) == 80
+    direct = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
+    direct.update(real, real=True)
+    direct.update(fake, real=False)
+    assert {k: float(v) for k, v in second.compute().items()} == {k: float(v) for k, v in direct.compute().items()}
 
 
 def test_reference_from_another_metric_or_missing_file_is_an_error(classifier_path, tmp_path):
