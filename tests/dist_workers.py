@@ -1,0 +1,68 @@
+"""Functions run inside spawned gloo processes (importable by name, hence a module of their own)."""
+
+import torch
+from torch import nn
+
+from lightning_muon import PeriodicRowwiseMuon
+
+SHAPES = [(7, 5), (5, 7), (96, 64), (64, 96), (2, 64), (96, 64)]
+
+
+def full_params(shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def full_grads(shapes, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+def optimizer_kwargs(period, mode, ns_dtype):
+    return dict(lr=0.02, period=period, refresh=mode, ns_dtype=ns_dtype, weight_decay=0.01, bucket_mb=0.01)
+
+
+def dense_run(shapes, period, mode, ns_dtype, steps=10):
+    params = [nn.Parameter(p) for p in full_params(shapes)]
+    opt = PeriodicRowwiseMuon(params, **optimizer_kwargs(period, mode, ns_dtype))
+    for grads in full_grads(shapes, steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def count_collectives(fn):
+    """Run ``fn`` under the profiler; c10d collective counts by kind, independent of the optimizer's own counters."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return {kind: sum(kind in n and "c10d" in n.lower() for n in names) for kind in ("allreduce", "allgather", "alltoall")}
+
+
+def sharded_run(rank, world_size, shapes, cases, steps=10):
+    """For each (period, mode, ns_dtype): fully_shard the params, step on DTensor grads; full params, stats."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    results = []
+    for period, mode, ns_dtype in cases:
+        module = nn.Module()
+        module.weights = nn.ParameterList([nn.Parameter(p) for p in full_params(shapes)])
+        fully_shard(module, mesh=mesh)
+        params = list(module.weights)
+        opt = PeriodicRowwiseMuon(params, **optimizer_kwargs(period, mode, ns_dtype))
+        per_step = []
+        for grads in full_grads(shapes, steps):
+            for p, g in zip(params, grads):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            counts = count_collectives(opt.step)
+            per_step.append({"branches": dict(opt.last_branches), "stats": opt.comm_stats(), "profiled": counts,
+                             "ns_flops": opt.last_ns_flops})  # fmt: skip
+        results.append({"params": [p.full_tensor() for p in params], "steps": per_step,
+                        "local_types": [type(opt.state[p]["momentum_buffer"]).__name__ for p in params]})  # fmt: skip
+    return results
