@@ -39,7 +39,9 @@ def count_collectives(fn):
     with profile() as prof:
         fn()
     names = [e.name for e in prof.events()]
-    return {kind: sum(kind in n and "c10d" in n.lower() for n in names) for kind in ("allreduce", "allgather", "alltoall")}
+    return {
+        kind: sum(kind in n and "c10d" in n.lower() for n in names) for kind in ("allreduce", "allgather", "alltoall")
+    }
 
 
 def sharded_run(rank, world_size, shapes, cases, steps=10):

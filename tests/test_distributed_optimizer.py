@@ -16,7 +16,9 @@ def sharded(request):
     return request.param, run_distributed(sharded_run, request.param, SHAPES, CASES)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=lambda i: "K{}-{}-{}".format(*CASES[i][:2], str(CASES[i][2])[6:]))
+@pytest.mark.parametrize(
+    "case", range(len(CASES)), ids=lambda i: "K{}-{}-{}".format(*CASES[i][:2], str(CASES[i][2])[6:])
+)
 def test_sharded_equals_dense(sharded, case):
     world, results = sharded
     period, mode, dtype = CASES[case]

@@ -498,11 +498,11 @@ def _param_name(group: dict[str, Any], index: int) -> str:
 
 
 def _ns_dtype(group: dict[str, Any], device: torch.device) -> torch.dtype:
-    return default_ns_dtype(device) if group["ns_dtype"] is None else group["ns_dtype"]
+    return default_ns_dtype(device) if group["ns_dtype"] is None else NS_DTYPES[group["ns_dtype"]]
 
 
 def _validate_muon_group(group: dict[str, Any]) -> None:
-    """Check a Muon group's options and parameters; normalizes ``ns_dtype`` names to torch dtypes."""
+    """Check a Muon group's options and parameters; stores ``ns_dtype`` by name ("bfloat16", ...)."""
     _check_nonnegative(group, "lr", "weight_decay", "rownorm_scale", "ns_eps")
     if not 0.0 <= group["momentum"] < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}.")
@@ -513,12 +513,11 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
         raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {group['adjust_lr']!r}.")
     resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"])
     dtype = group["ns_dtype"]
-    if isinstance(dtype, str):
-        if dtype not in NS_DTYPES:
-            raise ValueError(f"ns_dtype must be one of {sorted(NS_DTYPES)} or None, got {dtype!r}.")
-        group["ns_dtype"] = dtype = NS_DTYPES[dtype]
-    if dtype is not None and dtype not in NS_DTYPES.values():
-        raise ValueError(f"ns_dtype must be torch.bfloat16, torch.float32, torch.float64 or None, got {dtype!r}.")
+    names = {v: k for k, v in NS_DTYPES.items()}
+    if dtype in names:  # stored by name: distributed checkpoints take strings, not torch.dtype
+        group["ns_dtype"] = dtype = names[dtype]
+    if dtype is not None and dtype not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be one of {sorted(NS_DTYPES)} (or the torch dtype) or None, got {dtype!r}.")
     for i, p in enumerate(group["params"]):
         if p.ndim != 2:
             raise ValueError(

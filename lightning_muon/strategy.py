@@ -1,0 +1,179 @@
+"""``muon_fsdp``: Lightning's ``ModelParallelStrategy`` specialized for FSDP2 + PeriodicRowwiseMuon.
+
+``Trainer(strategy="muon_fsdp")`` (or ``MuonFSDPStrategy(...)``) builds a data-parallel device mesh over all ranks
+(or a replicate × shard mesh with ``hsdp=True``: replicate across nodes, shard within a node), applies
+:func:`shard_transformer` unless ``configure_model`` already sharded the module, checks that the optimizer is
+:class:`~lightning_muon.PeriodicRowwiseMuon` on DTensor parameters, and saves / resumes through
+torch.distributed.checkpoint (a resumed run may use another number of devices). CPU runs use gloo, CUDA runs NCCL;
+``num_nodes`` and cluster environments (torchrun, SLURM, …) work as in Lightning.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from lightning_muon.optim import PeriodicRowwiseMuon
+
+__all__ = ["BLOCK_MODULE_PATTERN", "MuonFSDPStrategy", "shard_transformer"]
+
+#: Transformer blocks, each sharded as its own FSDP2 unit (diffusers ``transformer_blocks.i``, timm ``blocks.i``).
+BLOCK_MODULE_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+$"
+#: Conditioning embedders inside a block get a unit of their own: diffusers' DiT calls
+#: ``transformer_blocks[0].norm1.emb`` again from the root after the blocks ran (for the final modulation), when the
+#: block's own parameters are resharded; as a separate unit it gathers its parameters on every call.
+EMBEDDER_MODULE_PATTERN = r"(^|\.)emb$"
+
+
+def shard_transformer(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: Any | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply ``fully_shard`` to every transformer block (its conditioning embedder first, as a unit of its own), then
+    to each direct child that still holds parameters.
+
+    The children (e.g. a LightningModule's ``self.model``) are the roots that ``training_step`` calls, so their
+    forward hooks gather the remaining parameters (embeddings, final layer). The module itself is not wrapped.
+
+    Args:
+        module: the network or LightningModule.
+        mesh: 1-D data-parallel mesh, or 2-D (replicate, shard) for HSDP.
+        mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 reduce).
+        reshard_after_forward: free gathered block parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
+    blocks = [m for name, m in module.named_modules() if re.search(BLOCK_MODULE_PATTERN, name)]
+    if not blocks:
+        raise ValueError(f"No transformer blocks (modules named like {BLOCK_MODULE_PATTERN!r}) in "
+                         f"{type(module).__name__}; shard it yourself in configure_model().")  # fmt: skip
+    for block in blocks:
+        for name, sub in block.named_modules():
+            if re.search(EMBEDDER_MODULE_PATTERN, name):
+                fully_shard(sub, **kwargs)
+        fully_shard(block, **kwargs)
+    for child in module.children():
+        if any(not isinstance(p, DTensor) for p in child.parameters()):
+            fully_shard(child, **kwargs)
+    return module
+
+
+def _is_sharded(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+class MuonFSDPStrategy(ModelParallelStrategy):
+    """FSDP2 data parallelism for PeriodicRowwiseMuon (registered as ``strategy="muon_fsdp"``).
+
+    Args:
+        hsdp: shard within a node and replicate across nodes (mesh ``(num_nodes, devices)``) instead of sharding
+            over all ranks.
+        mp_policy: ``MixedPrecisionPolicy`` for the automatic sharding (ignored when ``configure_model`` shards).
+        reshard_after_forward: see :func:`shard_transformer`.
+        save_distributed_checkpoint: write torch.distributed.checkpoint directories (resumable on any device
+            count); ``False`` gathers one full checkpoint file on rank 0.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "muon_fsdp"
+
+    def __init__(
+        self,
+        hsdp: bool = False,
+        mp_policy: Any | None = None,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
+        self.hsdp = hsdp
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self._shard_mesh: DeviceMesh | None = None
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """The mesh parameters are sharded over (1-D, or (replicate, shard) with ``hsdp``)."""
+        if self._shard_mesh is None:
+            raise RuntimeError("The device mesh exists once the strategy's environment is set up (Trainer.fit).")
+        return self._shard_mesh
+
+    @override
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+        if self.hsdp:
+            self._shard_mesh = init_device_mesh(self.root_device.type, (self.num_nodes, self.num_processes),
+                                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+        else:
+            self._shard_mesh = self.device_mesh["data_parallel"]
+        self.lightning_module._device_mesh = self._shard_mesh  # what configure_model() sees
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError(
+                "Found FSDP1 (FullyShardedDataParallel) modules: muon_fsdp needs FSDP2 DTensor parameters. Use "
+                "torch.distributed.fsdp.fully_shard in configure_model(), or let the strategy shard the model."
+            )
+        _materialize_distributed_module(self.model, self.root_device)
+        if not _is_sharded(self.model):
+            shard_transformer(self.model, self.shard_mesh, self.mp_policy, self.reshard_after_forward)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._check_optimizers()
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_optimizers(self) -> None:
+        for optimizer in self.optimizers:
+            if not isinstance(optimizer, PeriodicRowwiseMuon):
+                raise TypeError(f"strategy='muon_fsdp' needs lightning_muon.PeriodicRowwiseMuon from "
+                                f"configure_optimizers(), got {type(optimizer).__name__}. Use strategy='fsdp' or "
+                                "'model_parallel' for other optimizers.")  # fmt: skip
+            for group in optimizer.param_groups:
+                if not group["use_muon"]:
+                    continue
+                for i, p in enumerate(group["params"]):
+                    if not isinstance(p, DTensor):
+                        name = (group.get("param_names") or [f"#{i}"] * (i + 1))[i]
+                        raise TypeError(f"Muon parameter {name} {tuple(p.shape)} is not a DTensor: under muon_fsdp "
+                                        "every matrix must be sharded with FSDP2 fully_shard (not FSDP1 flat "
+                                        "parameters, not left unsharded). Build the optimizer from the module's "
+                                        "parameters after sharding (configure_optimizers).")  # fmt: skip
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + PeriodicRowwiseMuon (lightning-muon)")
+
+
+if MuonFSDPStrategy.strategy_name not in StrategyRegistry:
+    MuonFSDPStrategy.register_strategies(StrategyRegistry)

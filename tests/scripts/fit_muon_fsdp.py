@@ -1,0 +1,99 @@
+"""Fit a tiny diffusers DiT with Trainer(strategy="muon_fsdp") on CPU; rank 0 writes per-step loss and branches.
+
+Run by tests/test_strategy.py as a subprocess (Lightning re-launches the script once per extra device):
+
+    python tests/scripts/fit_muon_fsdp.py --devices 2 --epochs 1 --root DIR --record out.json [--ckpt-path CKPT]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from helpers import tiny_dit  # noqa: E402
+
+from lightning_muon import PeriodicRowwiseMuon, muon_param_groups  # noqa: E402
+
+GLOBAL_BATCH, SAMPLES = 8, 48  # 6 optimizer steps per epoch
+
+
+class TinyFlowDiT(L.LightningModule):
+    """Rectified-flow loss on a tiny class-conditional DiT; noise and timesteps come with each sample."""
+
+    def __init__(self, optimizer: str = "muon", partial_shard: bool = False) -> None:
+        super().__init__()
+        self.optimizer, self.partial_shard = optimizer, partial_shard
+        self.model = tiny_dit()
+        for m in self.model.modules():  # no random label dropout: the loss must not depend on the world size
+            if hasattr(m, "dropout_prob"):
+                m.dropout_prob = 0.0
+
+    def training_step(self, batch, batch_idx):
+        x0, noise, t, y = batch
+        xt = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * noise
+        pred = self.model(xt, timestep=t * 999, class_labels=y).sample
+        loss = torch.nn.functional.mse_loss(pred, noise - x0)
+        self.log("train_loss", loss, sync_dist=True, on_step=True, prog_bar=True)
+        return loss
+
+    def configure_model(self):
+        if self.partial_shard:  # a user sharding by hand and forgetting a block: its matrices stay plain tensors
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.model.transformer_blocks[1], mesh=self.device_mesh)
+
+    def configure_optimizers(self):
+        if self.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        groups = muon_param_groups(self.model, adamw={"lr": 1e-3})
+        return PeriodicRowwiseMuon(groups, lr=0.02, period=3, weight_decay=0.01, ns_dtype=torch.float32)
+
+
+class Record(Callback):
+    def __init__(self, path: str) -> None:
+        self.path, self.rows = path, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        opt = trainer.optimizers[0]
+        self.rows.append({"step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
+                          "branches": dict(opt.last_branches), "world": trainer.world_size})  # fmt: skip
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.rows))
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(SAMPLES, 4, 8, 8, generator=g), torch.randn(SAMPLES, 4, 8, 8, generator=g),
+                         torch.rand(SAMPLES, generator=g), torch.randint(0, 10, (SAMPLES,), generator=g))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
+    parser.add_argument("--partial-shard", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy="muon_fsdp", max_epochs=args.epochs,
+        default_root_dir=args.root, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)],
+    )  # fmt: skip
+    loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // args.devices, shuffle=False)
+    trainer.fit(TinyFlowDiT(args.optimizer, args.partial_shard), loader, ckpt_path=args.ckpt_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Trainer(strategy="muon_fsdp") on CPU with gloo: fit, distributed checkpoint, resume on the same and another
+device count with the same branch schedule and loss curve; clear errors for unsupported set-ups."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit_muon_fsdp.py"
+
+
+def fit(tmp_path, name, devices, epochs, ckpt=None, extra=(), check=True):
+    record = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(SCRIPT), "--devices", str(devices), "--epochs", str(epochs),
+           "--root", str(tmp_path / name), "--record", str(record), *extra]  # fmt: skip
+    if ckpt:
+        cmd += ["--ckpt-path", str(ckpt)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(record.read_text())
+    return proc
+
+
+def curve(rows):
+    return [(r["step"], r["branches"]["refresh"] > 0) for r in rows], [r["loss"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("muon_fsdp")
+    out = {"straight": fit(tmp, "straight", devices=2, epochs=2), "first": fit(tmp, "first", devices=2, epochs=1)}
+    ckpt = tmp / "first" / "ckpt" / "last.ckpt"
+    assert ckpt.is_dir() and any(ckpt.glob("*.distcp"))  # a torch.distributed.checkpoint directory
+    out["resume2"] = fit(tmp, "resume2", devices=2, epochs=2, ckpt=ckpt)
+    out["resume1"] = fit(tmp, "resume1", devices=1, epochs=2, ckpt=ckpt)
+    return out
+
+
+def test_fit_trains_with_periodic_schedule(runs):
+    schedule, losses = curve(runs["straight"])
+    assert [s for s, _ in schedule] == list(range(1, 13))
+    assert [refresh for _, refresh in schedule] == [(t - 1) % 3 == 0 for t in range(1, 13)]
+    assert losses[-1] < losses[0]
+    assert {r["world"] for r in runs["straight"]} == {2}
+
+
+@pytest.mark.parametrize("resumed", ["resume2", "resume1"])
+def test_resume_continues_schedule_and_loss_curve(runs, resumed):
+    want_schedule, want_losses = curve(runs["straight"][6:])
+    got_schedule, got_losses = curve(runs[resumed])
+    assert got_schedule == want_schedule  # steps 7..12, refresh at 7 and 10
+    assert got_losses == pytest.approx(want_losses, rel=1e-5)
+    assert curve(runs["first"])[1] == curve(runs["straight"][:6])[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [(["--optimizer", "adamw"], "needs lightning_muon.PeriodicRowwiseMuon"), (["--partial-shard"], "is not a DTensor")],
+)
+def test_unsupported_setups_fail_clearly(tmp_path, extra, message):
+    proc = fit(tmp_path, "bad", devices=2, epochs=1, extra=extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
