@@ -44,13 +44,18 @@ def count_collectives(fn):
     }
 
 
-def sharded_run(rank, world_size, shapes, cases, steps=10):
-    """For each (period, mode, ns_dtype): fully_shard the params, step on DTensor grads; full params, stats."""
+def sharded_run(rank, world_size, shapes, cases, steps=10, mesh_shape=None):
+    """For each (period, mode, ns_dtype): fully_shard the params, step on DTensor grads; full params, stats.
+
+    ``mesh_shape=(replicas, shards)`` makes an HSDP mesh (Replicate on the first dimension, Shard(0) on the second).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    names = ("replicate", "shard") if mesh_shape else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape or (world_size,), mesh_dim_names=names)
+    placements = [Replicate(), Shard(0)] if mesh_shape else [Shard(0)]
     results = []
     for period, mode, ns_dtype in cases:
         module = nn.Module()
@@ -61,10 +66,11 @@ def sharded_run(rank, world_size, shapes, cases, steps=10):
         per_step = []
         for grads in full_grads(shapes, steps):
             for p, g in zip(params, grads):
-                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+                p.grad = distribute_tensor(g, mesh, placements)
             counts = count_collectives(opt.step)
             per_step.append({"branches": dict(opt.last_branches), "stats": opt.comm_stats(), "profiled": counts,
                              "ns_flops": opt.last_ns_flops})  # fmt: skip
         results.append({"params": [p.full_tensor() for p in params], "steps": per_step,
-                        "local_types": [type(opt.state[p]["momentum_buffer"]).__name__ for p in params]})  # fmt: skip
+                        "local_types": [type(opt.state[p]["momentum_buffer"]).__name__ for p in params],
+                        "placements": [str(p.placements) for p in params]})  # fmt: skip
     return results

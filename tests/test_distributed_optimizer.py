@@ -45,3 +45,15 @@ def test_rownorm_steps_one_allreduce_no_gather(sharded):
                 assert profiled["allgather"] >= 1 and profiled["alltoall"] == 0
             else:
                 assert profiled["alltoall"] == 2 and profiled["allgather"] == 0
+
+
+def test_hsdp_mesh_shards_over_the_shard_dimension_only():
+    """4 ranks as 2 replicas x 2 shards: every rank ends with the dense result."""
+    cases = [(3, "gather", torch.float32), (3, "scatter", torch.float32)]
+    results = run_distributed(sharded_run, 4, SHAPES, cases, 7, (2, 2))
+    assert "Replicate" in results[0][0]["placements"][0] and "Shard(dim=0)" in results[0][0]["placements"][0]
+    for case, (period, mode, dtype) in enumerate(cases):
+        dense = dense_run(SHAPES, period, mode, dtype, steps=7)
+        for rank_results in results:
+            for got, want in zip(rank_results[case]["params"], dense):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
