@@ -74,3 +74,18 @@ def sharded_run(rank, world_size, shapes, cases, steps=10, mesh_shape=None):
                         "local_types": [type(opt.state[p]["momentum_buffer"]).__name__ for p in params],
                         "placements": [str(p.placements) for p in params]})  # fmt: skip
     return results
+
+
+def placement_error_worker(rank, world_size):
+    """A column-sharded (tensor-parallel style) matrix must be refused with a clear message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)]))
+    p.grad = distribute_tensor(torch.randn(8, 6), mesh, [Shard(1)])
+    try:
+        PeriodicRowwiseMuon([p]).step()
+    except ValueError as err:
+        return str(err)
+    return "no error"

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_workers import SHAPES, dense_run, sharded_run
+from dist_workers import SHAPES, dense_run, placement_error_worker, sharded_run
 from helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -57,3 +57,8 @@ def test_hsdp_mesh_shards_over_the_shard_dimension_only():
         for rank_results in results:
             for got, want in zip(rank_results[case]["params"], dense):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_column_sharded_matrix_is_refused():
+    (message, _) = run_distributed(placement_error_worker, 2)
+    assert "Tensor-parallel or column-sharded matrices are not supported" in message
