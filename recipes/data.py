@@ -1,0 +1,208 @@
+"""Data modules: sklearn digits (the offline default), image folders, and pre-encoded latent shards.
+
+Every batch is a dict: ``{"images": float (B, C, H, W) in [-1, 1]}`` (or ``"latents"``), plus ``"labels"`` (long) for
+class-conditional data or ``"caption_embeds"`` / ``"caption_mask"`` for text-conditional data. Distributed sampling
+is Lightning's (it inserts a ``DistributedSampler``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = ["DigitsDataModule", "ImageFolderDataModule", "LatentShardsDataModule", "write_latent_shard"]
+
+log = logging.getLogger(__name__)
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+
+
+class _DictDataset(Dataset):
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(next(iter(self.tensors.values())))
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+class SeededShuffleSampler(torch.utils.data.Sampler):
+    """A fresh permutation per epoch from ``seed + epoch`` (Lightning calls ``set_epoch``), so a run resumed at an
+    epoch boundary sees the same order as an uninterrupted one."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+
+class DigitsDataModule(L.LightningDataModule):
+    """sklearn's 8×8 handwritten digits (1,797 images, 10 classes), scaled to [-1, 1], one channel.
+
+    A fixed split: a seeded permutation puts ``val_size`` images in validation, the rest in training.
+
+    Args:
+        batch_size: per-device batch size.
+        val_size: images held out for the validation loss.
+        num_workers: DataLoader workers.
+    """
+
+    num_classes, image_size, channels = 10, 8, 1
+
+    def __init__(self, batch_size: int = 64, val_size: int = 256, num_workers: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.val_size, self.num_workers = batch_size, val_size, num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        images = torch.tensor(digits.images / 16.0 * 2 - 1, dtype=torch.float32)[:, None]
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+        val, train = order[: self.val_size], order[self.val_size :]
+        self.train_set = _DictDataset(images=images[train], labels=labels[train])
+        self.val_set = _DictDataset(images=images[val], labels=labels[val])
+
+    def real_images(self) -> torch.Tensor:
+        """All digits as uint8 (N, 1, 8, 8): the reference set of the generation metrics."""
+        from sklearn.datasets import load_digits
+
+        return torch.tensor(load_digits().images / 16.0 * 255, dtype=torch.float32).round().to(torch.uint8)[:, None]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, drop_last=True, num_workers=self.num_workers,
+                          sampler=SeededShuffleSampler(len(self.train_set)))  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+
+class ImageFolder(Dataset):
+    """Images from class sub-folders (``root/<class>/*.png``) or a captions file (``root/captions.jsonl`` with
+    ``{"file": ..., "caption": ...}`` lines). Resized (short side) and center-cropped to ``size``, in [-1, 1].
+
+    A missing or corrupt image raises an error naming the file, or with ``skip_corrupt=True`` is replaced by the
+    next readable one and counted in ``skipped``.
+    """
+
+    def __init__(self, root: str | Path, size: int, skip_corrupt: bool = False) -> None:
+        self.root, self.size, self.skip_corrupt = Path(root), size, skip_corrupt
+        captions = self.root / "captions.jsonl"
+        if captions.is_file():
+            rows = [json.loads(line) for line in captions.read_text().splitlines() if line.strip()]
+            self.files = [self.root / r["file"] for r in rows]
+            self.captions: list[str] | None = [r["caption"] for r in rows]
+            self.classes: list[str] = []
+            self.labels = [0] * len(rows)
+        else:
+            self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir()) if self.root.is_dir() else []
+            if not self.classes:
+                raise FileNotFoundError(f"{self.root} has neither class sub-folders nor a captions.jsonl file.")
+            pairs = [(f, c) for c, name in enumerate(self.classes) for f in sorted((self.root / name).iterdir())
+                     if f.suffix.lower() in IMAGE_SUFFIXES]  # fmt: skip
+            self.files, self.labels = [f for f, _ in pairs], [c for _, c in pairs]
+            self.captions = None
+        self.skipped = 0
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, path: Path) -> torch.Tensor:
+        from PIL import Image, UnidentifiedImageError
+        from torchvision.transforms.functional import center_crop, pil_to_tensor, resize
+
+        try:
+            with Image.open(path) as image:
+                x = pil_to_tensor(image.convert("RGB"))
+        except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
+            raise OSError(
+                f"Cannot read image {path}: {err}. Fix or remove the file, or pass skip_corrupt=True."
+            ) from err
+        x = center_crop(resize(x, self.size, antialias=True), [self.size, self.size])
+        return x.float() / 127.5 - 1
+
+    def __getitem__(self, i: int) -> dict:
+        for offset in range(len(self.files)):
+            j = (i + offset) % len(self.files)
+            try:
+                item = {"images": self.load(self.files[j]), "labels": torch.tensor(self.labels[j])}
+                break
+            except OSError:
+                if not self.skip_corrupt:
+                    raise
+                self.skipped += 1
+                log.warning("Skipping unreadable image %s (%d skipped)", self.files[j], self.skipped)
+        else:
+            raise OSError(f"No readable image in {self.root}.")
+        if self.captions is not None:
+            item["caption"] = self.captions[j]
+        return item
+
+
+class ImageFolderDataModule(L.LightningDataModule):
+    """:class:`ImageFolder` for training (class-conditional or captioned)."""
+
+    def __init__(self, root: str, image_size: int = 256, batch_size: int = 32, num_workers: int = 4,
+                 skip_corrupt: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.root, self.image_size, self.batch_size = root, image_size, batch_size
+        self.num_workers, self.skip_corrupt = num_workers, skip_corrupt
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set = ImageFolder(self.root, self.image_size, self.skip_corrupt)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)  # fmt: skip
+
+
+def write_latent_shard(path: str | Path, latents: torch.Tensor, **conditions: torch.Tensor) -> None:
+    """Write one safetensors shard: ``latents`` (N, C, h, w) and per-sample conditions (``labels`` or
+    ``caption_embeds`` / ``caption_mask``). Written to a temporary name, then renamed."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"latents": latents.contiguous(), **{k: v.contiguous() for k, v in conditions.items()}}, str(tmp))
+    tmp.replace(path)
+
+
+class LatentShardsDataModule(L.LightningDataModule):
+    """Pre-encoded latents (and caption embeddings or labels) from ``*.safetensors`` shards in ``root``, for
+    paper-scale runs where the VAE and text encoder are not run during training (see :func:`write_latent_shard`)."""
+
+    def __init__(self, root: str, batch_size: int = 32, num_workers: int = 2) -> None:
+        super().__init__()
+        self.root, self.batch_size, self.num_workers = Path(root), batch_size, num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        from safetensors.torch import load_file
+
+        shards = sorted(self.root.glob("*.safetensors"))
+        if not shards:
+            raise FileNotFoundError(f"No *.safetensors latent shards in {self.root}; write them with "
+                                    "lightning_muon.recipes.data.write_latent_shard.")  # fmt: skip
+        parts = [load_file(str(s)) for s in shards]
+        keys = set(parts[0])
+        for shard, part in zip(shards, parts):
+            if set(part) != keys:
+                raise ValueError(f"Shard {shard} has keys {sorted(part)}, the first shard {sorted(keys)}.")
+        self.train_set = _DictDataset(**{k: torch.cat([p[k] for p in parts]) for k in keys})
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          num_workers=self.num_workers)  # fmt: skip

@@ -1,0 +1,293 @@
+"""``DiTModule``: a diffusers DiT / PixArt trained with rectified flow (or DDPM) and AdamW, Muon or Periodic Muon."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
+
+__all__ = ["OPTIMIZERS", "DiTModule", "build_transformer", "logit_normal_timesteps"]
+
+OPTIMIZERS = ("adamw", "muon", "periodic_muon")
+ARCHITECTURES = ("dit", "pixart")
+OBJECTIVES = ("flow", "ddpm")
+
+TINY_DIT = dict(num_attention_heads=4, attention_head_dim=32, in_channels=1, num_layers=4, sample_size=8,
+                patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+
+
+def build_transformer(architecture: str, config: dict[str, Any]) -> nn.Module:
+    """A diffusers ``DiTTransformer2DModel`` (``"dit"``) or ``PixArtTransformer2DModel`` (``"pixart"``) from kwargs."""
+    from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
+
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}.")
+    cls = DiTTransformer2DModel if architecture == "dit" else PixArtTransformer2DModel
+    model = cls(**config)
+    for m in model.modules():  # label dropout is done by DiTModule with its own generator
+        if hasattr(m, "dropout_prob"):
+            m.dropout_prob = 0.0
+    return model
+
+
+def logit_normal_timesteps(n: int, generator: torch.Generator | None = None, mean: float = 0.0,
+                           std: float = 1.0) -> Tensor:  # fmt: skip
+    """t = sigmoid(u), u ~ N(mean, std²): the logit-normal sampling of rectified-flow training (SD3)."""
+    return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
+
+
+class DiTModule(L.LightningModule):
+    """Class-conditional DiT or text-conditional PixArt with rectified flow (default) or DDPM ε-prediction.
+
+    Flow: :math:`x_t = (1-t)x_0 + t\\varepsilon`, the network predicts :math:`v = \\varepsilon - x_0`, timestep
+    ``1000·t``. DDPM: diffusers' ``DDPMScheduler.add_noise``, the network predicts ε. Labels (or caption embeddings)
+    are replaced by the null condition with probability ``cfg_dropout`` for classifier-free guidance. An EMA copy of
+    the weights (``ema_decay``) is what :meth:`generate` uses by default.
+
+    Args:
+        architecture: ``"dit"`` or ``"pixart"``.
+        model_config: kwargs of the diffusers model (default: a ~2M-parameter DiT for 8×8 digits).
+        num_classes: classes of a DiT (the null class is ``num_classes``).
+        objective: ``"flow"`` or ``"ddpm"``.
+        timestep_sampling: ``"logit_normal"`` or ``"uniform"`` (flow only).
+        optimizer: ``"adamw"``, ``"muon"`` (K=1) or ``"periodic_muon"``.
+        lr: Muon lr (``adjust_lr`` scale). adamw_lr: lr of AdamW parameters (all of them for ``"adamw"``).
+        weight_decay / betas / momentum / period / rownorm_scale / adjust_lr / ns_dtype: optimizer options.
+        warmup_steps: linear warm-up; schedule: ``"cosine"`` (to 0 at the last step) or ``"constant"``.
+        ema_decay: EMA of the weights (0 disables it).
+        cfg_dropout: condition dropout probability.
+        vae_path: optional diffusers ``AutoencoderKL`` directory: train in its latent space.
+        val_timesteps: points of the fixed timestep grid of the validation loss.
+    """
+
+    def __init__(
+        self,
+        architecture: str = "dit",
+        model_config: dict[str, Any] | None = None,
+        num_classes: int = 10,
+        objective: str = "flow",
+        timestep_sampling: str = "logit_normal",
+        optimizer: str = "periodic_muon",
+        lr: float = 0.02,
+        adamw_lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        momentum: float = 0.95,
+        period: int = 3,
+        rownorm_scale: float = 0.15,
+        adjust_lr: str = "original",
+        ns_dtype: str | None = None,
+        warmup_steps: int = 0,
+        schedule: str = "cosine",
+        ema_decay: float = 0.999,
+        cfg_dropout: float = 0.1,
+        vae_path: str | None = None,
+        val_timesteps: int = 8,
+    ) -> None:
+        super().__init__()
+        for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("objective", objective, OBJECTIVES),
+                                     ("timestep_sampling", timestep_sampling, ("logit_normal", "uniform")),
+                                     ("schedule", schedule, ("cosine", "constant")),
+                                     ("architecture", architecture, ARCHITECTURES)):  # fmt: skip
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+        if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"cfg_dropout and ema_decay must be in [0, 1), got {cfg_dropout} and {ema_decay}.")
+        self.save_hyperparameters()
+        self.model: nn.Module | None = None
+        self.ema: nn.Module | None = None
+        self.vae = None
+
+    # ------------------------------------------------------------------------------------------------- model
+    @property
+    def model_config(self) -> dict[str, Any]:
+        return dict(self.hparams.model_config or TINY_DIT)
+
+    def configure_model(self) -> None:
+        """Build the network (and its EMA copy) once, under the strategy's init context (meta device at scale)."""
+        if self.model is not None:
+            return
+        self.model = build_transformer(self.hparams.architecture, self.model_config)
+        if self.hparams.ema_decay > 0:
+            self.ema = copy.deepcopy(self.model).requires_grad_(False)
+        if self.hparams.vae_path:
+            from diffusers import AutoencoderKL
+
+            self.vae = AutoencoderKL.from_pretrained(self.hparams.vae_path, local_files_only=True).requires_grad_(False)
+
+    def _network(self, use_ema: bool) -> nn.Module:
+        self.configure_model()
+        return self.ema if use_ema and self.ema is not None else self.model
+
+    def _forward(self, net: nn.Module, x: Tensor, timestep: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        if self.hparams.architecture == "dit":
+            return net(x, timestep=timestep, class_labels=cond["labels"]).sample
+        kwargs = {"resolution": None, "aspect_ratio": None}
+        return net(x, encoder_hidden_states=cond["caption_embeds"], encoder_attention_mask=cond.get("caption_mask"),
+                   timestep=timestep, added_cond_kwargs=kwargs).sample  # fmt: skip
+
+    def _null(self, cond: dict[str, Tensor]) -> dict[str, Tensor]:
+        if "labels" in cond:
+            return {"labels": torch.full_like(cond["labels"], self.hparams.num_classes)}
+        return {k: torch.zeros_like(v) if k == "caption_embeds" else v for k, v in cond.items()}
+
+    def _conditions(self, batch: dict[str, Tensor], drop: bool, generator: torch.Generator | None = None) -> dict:
+        cond = {k: batch[k] for k in ("labels", "caption_embeds", "caption_mask") if k in batch}
+        if drop and self.hparams.cfg_dropout > 0:
+            n = len(next(iter(cond.values())))
+            mask = torch.rand(n, generator=generator).to(self.device) < self.hparams.cfg_dropout
+            null = self._null(cond)
+            cond = {k: torch.where(mask.view(-1, *[1] * (v.ndim - 1)), null[k], v) for k, v in cond.items()}
+        return cond
+
+    def _clean(self, batch: dict[str, Tensor]) -> Tensor:
+        if "latents" in batch:
+            return batch["latents"]
+        x = batch["images"]
+        if self.vae is None:
+            return x
+        with torch.no_grad():
+            return self.vae.encode(x).latent_dist.sample() * self.vae.config.scaling_factor
+
+    # --------------------------------------------------------------------------------------------- objective
+    def loss(self, net: nn.Module, x0: Tensor, cond: dict, t: Tensor, noise: Tensor) -> Tensor:
+        """Per-batch loss at continuous times ``t`` in (0, 1) (flow) or their DDPM integer equivalents."""
+        if self.hparams.objective == "flow":
+            tt = t.view(-1, *[1] * (x0.ndim - 1))
+            xt, target, timestep = (1 - tt) * x0 + tt * noise, noise - x0, t * 1000
+        else:
+            timestep = (t * 999).round().long()
+            xt, target = self._ddpm().add_noise(x0, noise, timestep), noise
+        return F.mse_loss(self._forward(net, xt, timestep, cond).float(), target.float())
+
+    def _ddpm(self):
+        from diffusers import DDPMScheduler
+
+        if not hasattr(self, "_ddpm_scheduler"):
+            self._ddpm_scheduler = DDPMScheduler(num_train_timesteps=1000)
+        return self._ddpm_scheduler
+
+    def _step_generator(self) -> torch.Generator:
+        """Noise, timesteps and condition dropout of a training step come from a generator seeded by (global step,
+        rank), not from the global RNG: a resumed run draws exactly what the uninterrupted one drew."""
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        return torch.Generator().manual_seed(1_000_003 * self.global_step + rank)
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        x0 = self._clean(batch)
+        g = self._step_generator()
+        cond = self._conditions(batch, drop=True, generator=g)
+        noise = torch.randn(x0.shape, generator=g).to(x0)
+        if self.hparams.timestep_sampling == "logit_normal" and self.hparams.objective == "flow":
+            t = logit_normal_timesteps(len(x0), g).to(self.device)
+        else:
+            t = torch.rand(len(x0), generator=g).to(self.device)
+        loss = self.loss(self.model, x0, cond, t, noise)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Deterministic loss: a fixed grid of timesteps, noise seeded by the batch index, no condition dropout."""
+        x0 = self._clean(batch)
+        cond = self._conditions(batch, drop=False)
+        g = torch.Generator().manual_seed(batch_idx)
+        noise = torch.randn(x0.shape, generator=g).to(x0)
+        grid = (torch.arange(self.hparams.val_timesteps) + 0.5) / self.hparams.val_timesteps
+        losses = [self.loss(self.model, x0, cond, torch.full((len(x0),), float(t), device=self.device), noise)
+                  for t in grid]  # fmt: skip
+        self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.ema is not None:
+            with torch.no_grad():
+                torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()),
+                                     1 - self.hparams.ema_decay)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------- optimizers
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant lr."""
+        h = self.hparams
+        adamw = {"lr": h.adamw_lr, "betas": tuple(h.betas), "weight_decay": h.weight_decay}
+        if h.optimizer == "adamw":  # every parameter on AdamW: PeriodicRowwiseMuon's AdamW groups are torch's AdamW
+            groups = [{"params": list(self.model.named_parameters()), "use_muon": False, **adamw}]
+        else:
+            groups = muon_param_groups(self.model, adamw=adamw)
+        opt = PeriodicRowwiseMuon(groups, lr=h.lr, period=1 if h.optimizer == "muon" else h.period,
+                                  rownorm_scale=h.rownorm_scale, momentum=h.momentum, weight_decay=h.weight_decay,
+                                  adjust_lr=h.adjust_lr, ns_dtype=h.ns_dtype)  # fmt: skip
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+
+        def factor(step: int) -> float:
+            if step < h.warmup_steps:
+                return (step + 1) / h.warmup_steps
+            if h.schedule == "constant":
+                return 1.0
+            progress = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
+            return 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(
+        self,
+        conditions: Sequence[int] | dict[str, Tensor],
+        seeds: Sequence[int],
+        num_inference_steps: int = 25,
+        guidance_scale: float = 1.0,
+        use_ema: bool = True,
+        batch_size: int = 64,
+    ) -> Tensor:
+        """Sample images as uint8 ``(N, C, H, W)``. Sample i depends only on its condition and ``seeds[i]`` (its
+        initial noise comes from its own generator), not on ``batch_size`` or the number of ranks.
+
+        Args:
+            conditions: class labels (DiT), or ``{"caption_embeds": ..., "caption_mask": ...}`` (PixArt).
+            seeds: one seed per sample.
+            num_inference_steps: Euler (flow) or DDIM (DDPM) steps.
+            guidance_scale: classifier-free guidance; 1 disables the unconditional pass.
+            use_ema: sample with the EMA weights when there are any.
+        """
+        net = self._network(use_ema)
+        cond_all = {"labels": torch.as_tensor(list(conditions))} if not isinstance(conditions, dict) else conditions
+        if len(seeds) != len(next(iter(cond_all.values()))):
+            raise ValueError("Pass exactly one seed per condition.")
+        cfg = self.model_config
+        size = cfg.get("sample_size", 8)
+        shape = (cfg.get("in_channels", 4), size, size)
+        was_training = net.training
+        net.eval()
+        out = []
+        for start in range(0, len(seeds), batch_size):
+            idx = slice(start, start + batch_size)
+            cond = {k: v[idx].to(self.device) for k, v in cond_all.items()}
+            x = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in seeds[idx]])
+            out.append(self._sample(net, x.to(self.device), cond, num_inference_steps, guidance_scale))
+        net.train(was_training)
+        return torch.cat(out)
+
+    def _sample(self, net: nn.Module, x: Tensor, cond: dict, steps: int, guidance: float) -> Tensor:
+        from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+
+        scheduler = FlowMatchEulerDiscreteScheduler() if self.hparams.objective == "flow" else DDIMScheduler()
+        scheduler.set_timesteps(steps, device=self.device)
+        null = self._null(cond)
+        for t in scheduler.timesteps:
+            timestep = t.expand(len(x)).to(self.device)
+            pred = self._forward(net, x, timestep, cond)
+            if guidance != 1.0:
+                pred_null = self._forward(net, x, timestep, null)
+                pred = pred_null + guidance * (pred - pred_null)
+            x = scheduler.step(pred, t, x).prev_sample
+        if self.vae is not None:
+            x = self.vae.decode(x / self.vae.config.scaling_factor).sample
+        return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
