@@ -33,8 +33,7 @@ class _DictDataset(Dataset):
 
 
 class SeededShuffleSampler(torch.utils.data.Sampler):
-    """A fresh permutation per epoch from ``seed + epoch`` (Lightning calls ``set_epoch``), so a run resumed at an
-    epoch boundary sees the same order as an uninterrupted one."""
+    """A fresh permutation per epoch from ``seed + epoch`` (Lightning calls ``set_epoch``)."""
 
     def __init__(self, size: int, seed: int = 0) -> None:
         self.size, self.seed, self.epoch = size, seed, 0
@@ -47,6 +46,37 @@ class SeededShuffleSampler(torch.utils.data.Sampler):
 
     def __iter__(self):
         return iter(torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that Lightning checkpoints: ``state_dict()`` holds the epoch and the batches consumed in it, and
+    after ``load_state_dict()`` that epoch, when Lightning iterates it again, skips those batches: a run resumed
+    mid-epoch or at an epoch boundary sees exactly the batches of an uninterrupted one. Shuffles with
+    :class:`SeededShuffleSampler` unless a sampler is given (Lightning passes a distributed one)."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, sampler=None, seed: int = 0, **kwargs) -> None:
+        kwargs.setdefault("drop_last", True)
+        super().__init__(dataset, batch_size=batch_size, sampler=sampler or SeededShuffleSampler(len(dataset), seed),
+                         **kwargs)  # fmt: skip
+        self.consumed = 0
+        self._resume: dict[str, int] | None = None
+
+    def _epoch(self) -> int:
+        return getattr(self.sampler, "epoch", 0)
+
+    def __iter__(self):
+        resume, self._resume, self.consumed = self._resume, None, 0
+        skip = resume["consumed"] if resume and resume["epoch"] == self._epoch() else 0
+        for i, batch in enumerate(super().__iter__()):
+            self.consumed = i + 1
+            if i >= skip:
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch(), "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
 
 
 class DigitsDataModule(L.LightningDataModule):
@@ -84,8 +114,7 @@ class DigitsDataModule(L.LightningDataModule):
         return torch.tensor(load_digits().images / 16.0 * 255, dtype=torch.float32).round().to(torch.uint8)[:, None]
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, drop_last=True, num_workers=self.num_workers,
-                          sampler=SeededShuffleSampler(len(self.train_set)))  # fmt: skip
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
@@ -166,8 +195,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.train_set = ImageFolder(self.root, self.image_size, self.skip_corrupt)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)  # fmt: skip
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
 
 
 def write_latent_shard(path: str | Path, latents: torch.Tensor, **conditions: torch.Tensor) -> None:
@@ -204,5 +232,4 @@ class LatentShardsDataModule(L.LightningDataModule):
         self.train_set = _DictDataset(**{k: torch.cat([p[k] for p in parts]) for k in keys})
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)  # fmt: skip
+        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)

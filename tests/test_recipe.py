@@ -1,0 +1,198 @@
+"""The DiT recipe: CLI default run, optimizer selection, generation, EMA, resume, data errors, configs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from lightning_muon.recipes.cli import CONFIGS
+from lightning_muon.recipes.data import DigitsDataModule, ImageFolder, LatentShardsDataModule, write_latent_shard
+from lightning_muon.recipes.module import DiTModule, build_transformer
+
+SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8,
+                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+
+
+def scalars(event_dir, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(event_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--trainer.max_steps", "240",
+           "--trainer.val_check_interval", "120", "--trainer.log_every_n_steps", "10",
+           "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = tmp_path / "lightning_logs" / "version_0"
+    assert list(version.glob("events.out.tfevents.*"))
+    assert list((version / "checkpoints").glob("*.ckpt"))
+    loss = [v for _, v in scalars(version, "train/loss")]
+    assert len(loss) >= 20
+    assert sum(loss[-5:]) / 5 < 0.8 * sum(loss[:5]) / 5  # the training loss falls on digits
+    assert (version / "config.yaml").is_file()
+
+
+def test_cli_help_lists_options():
+    proc = subprocess.run([sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--help"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "--model.optimizer" in proc.stdout and "--model.period" in proc.stdout
+
+
+@pytest.mark.parametrize(("name", "period", "has_muon"), [("adamw", None, False), ("muon", 1, True),
+                                                          ("periodic_muon", 3, True)])  # fmt: skip
+def test_optimizer_names_give_the_right_groups(name, period, has_muon):
+    module = DiTModule(model_config=SMALL_DIT, optimizer=name)
+    module.configure_model()
+    opt = module.configure_optimizers()["optimizer"]
+    muon_groups = [g for g in opt.param_groups if g["use_muon"]]
+    assert bool(muon_groups) == has_muon
+    if has_muon:
+        assert {g["period"] for g in muon_groups} == {period}
+        names = {n for g in muon_groups for n in g["param_names"]}
+        assert "transformer_blocks.0.attn1.to_q.weight" in names and "pos_embed.proj.weight" not in names
+    covered = sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert covered == sum(p.numel() for p in module.model.parameters())
+
+
+def test_bad_names_and_hyperparameters_are_clear_errors():
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        DiTModule(optimizer="sgd")
+    with pytest.raises(ValueError, match="objective must be one of"):
+        DiTModule(objective="edm")
+    module = DiTModule(model_config=SMALL_DIT, period=0)
+    module.configure_model()
+    with pytest.raises(ValueError, match="period"):
+        module.configure_optimizers()
+
+
+@pytest.mark.parametrize("objective", ["flow", "ddpm"])
+def test_generate_is_deterministic_and_batch_independent(objective):
+    torch.manual_seed(0)
+    module = DiTModule(model_config=SMALL_DIT, objective=objective)
+    module.configure_model()
+    labels, seeds = [3, 1, 4, 1, 5], [10, 11, 12, 13, 14]
+    a = module.generate(labels, seeds, num_inference_steps=4, guidance_scale=2.0, batch_size=5)
+    b = module.generate(labels, seeds, num_inference_steps=4, guidance_scale=2.0, batch_size=2)
+    single = module.generate(labels[2:3], seeds[2:3], num_inference_steps=4, guidance_scale=2.0)
+    assert a.dtype == torch.uint8 and a.shape == (5, 1, 8, 8)
+    assert (a.int() - b.int()).abs().max() <= 1 and (a[2:3].int() - single.int()).abs().max() <= 1
+    other = module.generate(labels, [20, 11, 12, 13, 14], num_inference_steps=4, guidance_scale=2.0)
+    assert not torch.equal(other[0], a[0]) and (other[1:].int() - a[1:].int()).abs().max() <= 1
+
+
+def test_generation_uses_ema_weights():
+    module = DiTModule(model_config=SMALL_DIT)
+    module.configure_model()
+    with torch.no_grad():
+        for p in module.ema.parameters():
+            p.mul_(0.5)
+    ema = module.generate([1, 2], [0, 1], num_inference_steps=3)
+    raw = module.generate([1, 2], [0, 1], num_inference_steps=3, use_ema=False)
+    assert not torch.equal(ema, raw)
+    for p in module.ema.parameters():
+        assert not p.requires_grad
+
+
+class LossRecorder(Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append((trainer.global_step, float(outputs["loss"])))
+
+
+class StopAt(Callback):
+    """A run interrupted at ``step`` (it keeps the lr schedule of the full run, as a crashed job would)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def fit_digits(tmp_path, max_steps, ckpt_path=None, stop_at=None):
+    L.seed_everything(0)
+    recorder = LossRecorder()
+    extra = [StopAt(stop_at)] if stop_at else []
+    callbacks = [recorder, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10), *extra]
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path, limit_val_batches=0,
+                        callbacks=callbacks)  # fmt: skip
+    trainer.fit(DiTModule(model_config=SMALL_DIT), DigitsDataModule(batch_size=64), ckpt_path=ckpt_path)
+    return recorder.losses
+
+
+def test_resume_continues_the_same_loss_curve(tmp_path):
+    """Interrupted mid-epoch (24 steps per epoch) at step 10, resumed to step 48: the same batches, noise and
+    updates as one uninterrupted run, through the epoch boundary."""
+    straight = fit_digits(tmp_path / "a", 48)
+    assert [v for _, v in fit_digits(tmp_path / "b", 48, stop_at=10)] == [v for _, v in straight[:10]]
+    resumed = fit_digits(tmp_path / "c", 48, ckpt_path=tmp_path / "b" / "ckpt" / "last.ckpt")
+    assert [s for s, _ in resumed] == list(range(11, 49))
+    assert [v for _, v in resumed] == pytest.approx([v for _, v in straight[10:]], rel=1e-6)
+
+
+def test_image_folder_errors_name_the_corrupt_file(tmp_path):
+    from PIL import Image
+
+    for cls in ("cat", "dog"):
+        (tmp_path / cls).mkdir()
+        for i in range(2):
+            Image.new("RGB", (20, 12), color=(i * 100, 50, 200)).save(tmp_path / cls / f"{i}.png")
+    (tmp_path / "dog" / "broken.png").write_bytes(b"not a png")
+    data = ImageFolder(tmp_path, size=8)
+    item = data[0]
+    assert item["images"].shape == (3, 8, 8) and item["images"].min() >= -1 and data.classes == ["cat", "dog"]
+    broken = data.files.index(tmp_path / "dog" / "broken.png")
+    with pytest.raises(OSError, match=r"broken\.png"):
+        data[broken]
+    tolerant = ImageFolder(tmp_path, size=8, skip_corrupt=True)
+    assert tolerant[broken]["images"].shape == (3, 8, 8) and tolerant.skipped == 1
+
+
+def test_latent_shards_round_trip(tmp_path):
+    write_latent_shard(tmp_path / "a.safetensors", torch.randn(3, 4, 8, 8), labels=torch.arange(3))
+    write_latent_shard(tmp_path / "b.safetensors", torch.randn(2, 4, 8, 8), labels=torch.arange(2))
+    dm = LatentShardsDataModule(str(tmp_path), batch_size=5, num_workers=0)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["latents"].shape == (5, 4, 8, 8) and batch["labels"].shape == (5,)
+    with pytest.raises(FileNotFoundError, match="No \\*.safetensors"):
+        LatentShardsDataModule(str(tmp_path / "empty")).setup()
+
+
+@pytest.mark.parametrize(("config", "billions"), [("dit_xl2_imagenet256.yaml", 0.675), ("t2i_1p3b.yaml", 1.3),
+                                                  ("t2i_4b.yaml", 4.0), ("t2i_9b.yaml", 9.0),
+                                                  ("t2i_15b.yaml", 15.0)])  # fmt: skip
+def test_paper_configs_match_their_names(config, billions):
+    cfg = yaml.safe_load((CONFIGS / config).read_text())
+    with torch.device("meta"):
+        model = build_transformer(cfg["model"]["architecture"], cfg["model"]["model_config"])
+    count = sum(p.numel() for p in model.parameters()) / 1e9
+    assert abs(count - billions) <= 0.15 * billions, count
+    assert cfg["trainer"]["strategy"] == "muon_fsdp" and cfg["model"]["period"] == 3
+    if config.startswith("t2i"):
+        assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["model"]["rownorm_scale"] == 0.15
+        assert cfg["trainer"]["num_nodes"] > 1 and cfg["trainer"]["val_check_interval"] == 5000
+
+
+def test_all_configs_parse_with_the_cli():
+    from lightning_muon.recipes.cli import main
+
+    for path in sorted(Path(CONFIGS).glob("*.yaml")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", "--config", str(path), "--print_config"])
+        assert exit_info.value.code == 0, path
