@@ -2,7 +2,8 @@
 
 ``lightning-muon fit`` with no arguments trains the tiny digits DiT with Periodic Row-wise Muon on the CPU
 (``recipes/configs/digits_tiny.yaml``); ``lightning-muon fit --config recipes/configs/t2i_1p3b.yaml`` runs a
-paper-scale config. ``lightning-muon fit --help`` lists every option.
+paper-scale config. ``lightning-muon fit --help`` lists every option; ``lightning-muon evaluate --help`` the
+checkpoint evaluation.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ DEFAULT_CONFIG = CONFIGS / "digits_tiny.yaml"
 
 
 def main(args: list[str] | None = None) -> None:
+    """``lightning-muon evaluate ...`` evaluates checkpoints; every other subcommand is LightningCLI's."""
+    import sys
+
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["evaluate"]:
+        from lightning_muon.recipes.evaluate import main as evaluate
+
+        return evaluate(argv[1:])
     LightningCLI(
         DiTModule,
         L.LightningDataModule,

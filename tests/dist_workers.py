@@ -89,3 +89,22 @@ def placement_error_worker(rank, world_size):
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_samples):
+    """Evaluate a fixed tiny DiT on digits metrics; every rank returns the synced values."""
+    from lightning_muon.callbacks.generation import prepare_references, score_generation
+    from lightning_muon.metrics import DigitsFeatures, FrechetDistance, PrecisionRecallDensityCoverage
+    from lightning_muon.recipes.data import DigitsDataModule
+    from lightning_muon.recipes.module import DiTModule
+
+    torch.manual_seed(0)
+    module = DiTModule(model_config=dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2,
+                                         sample_size=8, patch_size=2, num_embeds_ada_norm=10))  # fmt: skip
+    module.configure_model()
+    features = DigitsFeatures(classifier_path)
+    metrics = {"fd_digits": FrechetDistance(features), "prdc_digits": PrecisionRecallDensityCoverage(features)}
+    prepare_references(metrics, DigitsDataModule().real_images, cache_dir, "digits", 100)
+    values, _ = score_generation(module, metrics, num_samples, 10, 0, 3, 1.0, 16, progress=False)
+    values.pop("eval/seconds")
+    return values

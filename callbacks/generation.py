@@ -1,0 +1,236 @@
+"""``GenerationEvaluation``: sample a fixed, globally indexed set during training and log generation metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_muon.metrics.generation import ensure_reference
+from lightning_muon.metrics.presets import build_metrics
+
+__all__ = [
+    "GenerationEvaluation",
+    "append_jsonl",
+    "flatten_metrics",
+    "prepare_references",
+    "sample_conditions",
+    "score_generation",
+]
+
+log = logging.getLogger(__name__)
+
+
+def sample_conditions(indices: Tensor, num_classes: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Sample i has class ``i mod num_classes`` and noise seed ``seed + i``: the same on any number of ranks."""
+    return indices % num_classes, seed + indices
+
+
+def flatten_metrics(name: str, value: Tensor | dict[str, Tensor]) -> dict[str, float]:
+    """``{"eval/<name>": v}`` for a scalar, ``{"eval/<key>": v}`` for each entry of a dict (e.g. PRDC's recall)."""
+    if isinstance(value, dict):
+        suffix = name.rsplit("_", 1)[-1] if "_" in name else ""
+        return {f"eval/{k}_{suffix}" if suffix else f"eval/{k}": float(v) for k, v in value.items()}
+    return {f"eval/{name}": float(value)}
+
+
+def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
+    """Append one JSON line atomically: the file is rewritten under a temporary name and renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.is_file() else ""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(old + json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def prepare_references(metrics: dict[str, Any], real_images: Any, cache_dir: Path, data_name: str,
+                       batch_size: int) -> None:  # fmt: skip
+    """Load or compute (once, cached in ``cache_dir``) the reference statistics of every metric that has none.
+
+    ``real_images()`` returns all real images as uint8; each rank feeds its share i ≡ rank (mod W).
+    """
+    pending = {n: m for n, m in metrics.items() if getattr(m, "reference", True) is None}
+    if not pending:
+        return
+    rank, world = _world()
+    images = real_images()
+    shard = images[rank::world]
+    for name, metric in pending.items():
+        tag = f"{name}_{data_name}_{len(images)}.pt"
+        ensure_reference(metric, Path(cache_dir) / tag, lambda: shard.split(batch_size), progress=False)
+
+
+@torch.no_grad()
+def score_generation(
+    module: Any,
+    metrics: dict[str, Any],
+    num_samples: int,
+    num_classes: int,
+    seed: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    batch_size: int,
+    grid_size: int = 0,
+    progress: bool = True,
+    desc: str = "generating",
+) -> tuple[dict[str, float], Tensor | None]:
+    """Generate the globally indexed sample set with ``module.generate`` and compute ``metrics`` on it.
+
+    Rank r generates the samples i ≡ r (mod W) in equal-sized batches (padded, padding dropped before the metric
+    update) so every rank runs the same number of forward passes. Returns ``{"eval/...": value, "eval/seconds"}``
+    and up to ``grid_size`` samples of this rank (uint8) for a grid.
+    """
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    rank, world = _world()
+    per_rank = -(-num_samples // world)
+    indices = torch.arange(rank, per_rank * world, world)
+    labels, seeds = sample_conditions(indices, num_classes, seed)
+    for metric in metrics.values():
+        metric.reset()
+    grid: list[Tensor] = []
+    for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not (progress and rank == 0), leave=False):
+        idx = slice(b, b + batch_size)
+        images = module.generate(labels[idx], seeds[idx].tolist(), num_inference_steps, guidance_scale,
+                                 batch_size=batch_size)  # fmt: skip
+        images = images[(indices[idx] < num_samples).to(images.device)]
+        for metric in metrics.values():
+            metric.update(images, real=False)
+        if sum(len(g) for g in grid) < grid_size:
+            grid.append(images.cpu())
+    values: dict[str, float] = {}
+    for name, metric in metrics.items():
+        values.update(flatten_metrics(name, metric.compute()))
+    values["eval/seconds"] = time.perf_counter() - start
+    return values, (torch.cat(grid)[:grid_size] if grid else None)
+
+
+class GenerationEvaluation(Callback):
+    """Every ``every_n_steps`` training steps (and at the end of training), generate ``num_samples`` images with
+    the module's EMA weights, update the metrics and log ``eval/<metric>`` to every logger at the global step, an
+    image grid to TensorBoard, ``eval/seconds``, and a line in ``metrics.jsonl`` beside the checkpoints.
+
+    Sample i has class ``i mod num_classes`` and seed ``seed + i`` whatever the world size; rank r generates the
+    samples i ≡ r (mod W) in equal-sized batches (FSDP needs every rank in every forward), padding included and
+    dropped. Reference (real) statistics are computed once per metric and cached in ``reference_dir``. Metrics and
+    their weights are built in ``setup``: missing weights fail before training starts.
+
+    The LightningModule provides ``generate(labels, seeds, num_inference_steps, guidance_scale)``; the datamodule
+    provides ``real_images()`` (uint8, all real images) for the reference statistics.
+
+    Args:
+        metrics: names from :data:`lightning_muon.metrics.presets.METRIC_NAMES`.
+        every_n_steps: evaluation period in optimizer steps (0: only at the end of training).
+        num_samples: generated images per evaluation.
+        num_classes: classes of the conditions.
+        num_inference_steps / guidance_scale: sampler settings.
+        batch_size: images generated per forward pass on each rank.
+        reference_dir: cache of reference statistics (default: ``<default_root_dir>/eval_reference``).
+        grid_size: images in the logged grid.
+        seed: base noise seed.
+        dinov2_weights / inception_weights / clip_weights / hps_weights: local weights for those metrics.
+        progress: show a progress bar on rank 0.
+    """
+
+    def __init__(
+        self,
+        metrics: list[str] | tuple[str, ...] = ("fd_digits", "prdc_digits"),
+        every_n_steps: int = 500,
+        num_samples: int = 1000,
+        num_classes: int = 10,
+        num_inference_steps: int = 25,
+        guidance_scale: float = 1.0,
+        batch_size: int = 250,
+        reference_dir: str | None = None,
+        grid_size: int = 64,
+        seed: int = 0,
+        dinov2_weights: str | None = None,
+        inception_weights: str | None = None,
+        clip_weights: str | None = None,
+        hps_weights: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if every_n_steps < 0 or num_samples < 2:
+            raise ValueError(f"every_n_steps must be >= 0 and num_samples >= 2, got {every_n_steps}, {num_samples}.")
+        self.metric_names = list(metrics)
+        self.every_n_steps, self.num_samples, self.num_classes = every_n_steps, num_samples, num_classes
+        self.num_inference_steps, self.guidance_scale, self.batch_size = num_inference_steps, guidance_scale, batch_size
+        self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
+        self.weights = dict(dinov2_weights=dinov2_weights, inception_weights=inception_weights,
+                            clip_weights=clip_weights, hps_weights=hps_weights)  # fmt: skip
+        self.metrics: dict[str, Any] = {}
+        self._last_step = -1
+        self.history: list[dict[str, float]] = []
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if "hpsv2" in self.metric_names:
+            raise ValueError("hpsv2 needs prompts; GenerationEvaluation samples class-conditional models. Score "
+                             "text-conditional samples with lightning_muon.metrics.HPSv2Score directly.")  # fmt: skip
+        self.metrics = build_metrics(self.metric_names, **self.weights)
+        for metric in self.metrics.values():
+            metric.to(pl_module.device)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_step:
+            self.evaluate(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_step != self._last_step:
+            self.evaluate(trainer, pl_module)
+
+    def _references(self, trainer: L.Trainer) -> None:
+        real = getattr(trainer.datamodule, "real_images", None)
+        if real is None:
+            raise AttributeError("GenerationEvaluation needs the datamodule to provide real_images() (uint8 images).")
+        cache = Path(self.reference_dir or Path(trainer.default_root_dir) / "eval_reference")
+        prepare_references(self.metrics, real, cache, type(trainer.datamodule).__name__, self.batch_size)
+
+    def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """Run one evaluation now (all ranks must call it); returns the logged values."""
+        self._last_step = trainer.global_step
+        self._references(trainer)
+        desc = f"eval @ step {trainer.global_step}"
+        values, grid = score_generation(pl_module, self.metrics, self.num_samples, self.num_classes, self.seed,
+                                        self.num_inference_steps, self.guidance_scale, self.batch_size,
+                                        self.grid_size, self.progress, desc)  # fmt: skip
+        self.history.append({"step": trainer.global_step, **values})
+        if trainer.is_global_zero:
+            self._publish(trainer, values, grid)
+        return values
+
+    def _publish(self, trainer: L.Trainer, values: dict[str, float], grid: Tensor | None) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+            if grid is not None and hasattr(logger.experiment, "add_image"):
+                from torchvision.utils import make_grid
+
+                image = make_grid(grid.float() / 255, nrow=int(len(grid) ** 0.5), padding=1, pad_value=1.0)
+                logger.experiment.add_image("eval/samples", image, trainer.global_step)
+        ckpt = trainer.checkpoint_callback
+        folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else Path(trainer.log_dir or ".")
+        append_jsonl(folder / "metrics.jsonl", {"step": trainer.global_step, "epoch": trainer.current_epoch,
+                                                **values})  # fmt: skip
+        log.info("step %d: %s", trainer.global_step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))

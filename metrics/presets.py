@@ -1,0 +1,73 @@
+"""Named metric sets for evaluation callbacks and the ``evaluate`` command, built from local weight files."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torchmetrics import Metric
+
+from lightning_muon.metrics.features import ClipFeatures, DigitsFeatures, DinoV2Features, InceptionFeatures
+from lightning_muon.metrics.generation import (
+    FrechetDistance,
+    HPSv2Score,
+    MaximumMeanDiscrepancy,
+    PrecisionRecallDensityCoverage,
+)
+
+__all__ = ["METRIC_NAMES", "build_metrics"]
+
+#: name -> (what it is, the weights argument it needs or None)
+METRIC_NAMES = {
+    "fd_digits": ("Fréchet distance on digits-classifier features (offline default)", None),
+    "prdc_digits": ("precision/recall/density/coverage on digits-classifier features", None),
+    "fd_dinov2": ("FD-DINOv2 (DINOv2 ViT-L/14 CLS features)", "dinov2_weights"),
+    "prdc_dinov2": ("precision/recall/density/coverage on DINOv2 features, k=5", "dinov2_weights"),
+    "fid": ("FID (InceptionV3 pool3, torch-fidelity weights)", "inception_weights"),
+    "cmmd": ("CMMD: RBF MMD on CLIP ViT-L/14@336 embeddings", "clip_weights"),
+    "hpsv2": ("HPSv2.1 image-prompt score", "hps_weights"),
+}
+
+
+def build_metrics(
+    names: Sequence[str],
+    dinov2_weights: str | None = None,
+    inception_weights: str | None = None,
+    clip_weights: str | None = None,
+    hps_weights: str | None = None,
+) -> dict[str, Metric]:
+    """Construct the named metrics (extractors shared where they are the same network).
+
+    Raises:
+        ValueError: an unknown name, or a name whose weights argument is missing.
+        FileNotFoundError: weights that do not exist (raised by the extractor).
+    """
+    weights = {"dinov2_weights": dinov2_weights, "inception_weights": inception_weights,
+               "clip_weights": clip_weights, "hps_weights": hps_weights}  # fmt: skip
+    for name in names:
+        if name not in METRIC_NAMES:
+            raise ValueError(f"Unknown metric {name!r}; choose from {sorted(METRIC_NAMES)}.")
+        needed = METRIC_NAMES[name][1]
+        if needed and not weights[needed]:
+            raise ValueError(f"Metric {name!r} needs `{needed}=` (a local path); this library never downloads.")
+    cache: dict[str, object] = {}
+
+    def extractor(kind: str):
+        if kind not in cache:
+            cache[kind] = {
+                "digits": lambda: DigitsFeatures(),
+                "dinov2": lambda: DinoV2Features(dinov2_weights),
+                "inception": lambda: InceptionFeatures(inception_weights),
+                "clip": lambda: ClipFeatures(clip_weights),
+            }[kind]()
+        return cache[kind]
+
+    factories = {
+        "fd_digits": lambda: FrechetDistance(extractor("digits")),
+        "prdc_digits": lambda: PrecisionRecallDensityCoverage(extractor("digits")),
+        "fd_dinov2": lambda: FrechetDistance(extractor("dinov2")),
+        "prdc_dinov2": lambda: PrecisionRecallDensityCoverage(extractor("dinov2")),
+        "fid": lambda: FrechetDistance(extractor("inception")),
+        "cmmd": lambda: MaximumMeanDiscrepancy(extractor("clip")),
+        "hpsv2": lambda: HPSv2Score(hps_weights),
+    }
+    return {name: factories[name]() for name in names}

@@ -1,0 +1,137 @@
+"""GenerationEvaluation, OptimizerTelemetry and `lightning-muon evaluate` with real Trainers and TensorBoard files."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from dist_workers import generation_eval_worker
+from helpers import run_distributed
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from lightning_muon.callbacks import GenerationEvaluation, OptimizerTelemetry
+from lightning_muon.metrics import DigitsFeatures
+from lightning_muon.recipes.data import DigitsDataModule
+from lightning_muon.recipes.evaluate import find_checkpoints, load_checkpoint
+from lightning_muon.recipes.evaluate import main as evaluate
+from lightning_muon.recipes.module import DiTModule
+
+SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8,
+                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, monkeypatch_module):
+    path = tmp_path_factory.mktemp("cache")
+    monkeypatch_module.setenv("LIGHTNING_MUON_CACHE", str(path))  # the digits classifier is trained once here
+    DigitsFeatures()
+    return path
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def event_scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    return acc
+
+
+def fit(root, max_steps, callbacks, optimizer="periodic_muon", log_every=1, strategy="auto"):
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=root,
+                        logger=TensorBoardLogger(root, name="logs"), enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, log_every_n_steps=log_every,
+                        strategy=strategy, callbacks=callbacks)  # fmt: skip
+    trainer.fit(DiTModule(model_config=SMALL_DIT, optimizer=optimizer), DigitsDataModule(batch_size=32))
+    return trainer
+
+
+def test_generation_evaluation_logs_at_the_expected_steps(cache, tmp_path):
+    evaluation = GenerationEvaluation(every_n_steps=10, num_samples=64, num_inference_steps=3, batch_size=32,
+                                      grid_size=16, progress=False)  # fmt: skip
+    trainer = fit(tmp_path, 25, [evaluation, ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)])
+    acc = event_scalars(trainer.logger.log_dir)
+    fd = acc.Scalars("eval/fd_digits")
+    assert [e.step for e in fd] == [10, 20, 25]  # every 10 steps, and at the end of training
+    assert {"eval/precision_digits", "eval/recall_digits", "eval/seconds"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Images("eval/samples")] == [10, 20, 25]
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl")
+            .read_text().splitlines()]  # fmt: skip
+    assert [r["step"] for r in rows] == [10, 20, 25]
+    assert [r["eval/fd_digits"] for r in rows] == pytest.approx([e.value for e in fd], rel=1e-6)
+
+
+def test_missing_weights_fail_at_setup_before_training(cache, tmp_path):
+    evaluation = GenerationEvaluation(metrics=["fd_dinov2"], dinov2_weights=str(tmp_path / "no-dinov2"))
+    with pytest.raises(FileNotFoundError, match="DINOv2 weights not found"):
+        fit(tmp_path, 5, [evaluation])
+    with pytest.raises(ValueError, match="needs `inception_weights=`"):
+        fit(tmp_path, 5, [GenerationEvaluation(metrics=["fid"])])
+
+
+def test_telemetry_logs_a_refresh_exactly_every_k_steps(cache, tmp_path):
+    trainer = fit(tmp_path, 12, [OptimizerTelemetry()])
+    acc = event_scalars(trainer.logger.log_dir)
+    refresh = [(e.step, e.value) for e in acc.Scalars("optim/refresh")]
+    assert refresh == [(t, float((t - 1) % 3 == 0)) for t in range(1, 13)]
+    tags = set(acc.Tags()["scalars"])
+    assert {"optim/step_ms", "optim/update_rms/group0", "optim/grad_norm/group0"} <= tags
+    assert all(e.value > 0 for e in acc.Scalars("optim/update_rms/group0"))
+
+
+@pytest.mark.distributed
+def test_ddp_evaluation_equals_single_process(cache, tmp_path):
+    classifier = cache / "digits_classifier.pt"
+    single = generation_eval_worker(0, 1, classifier, tmp_path / "ref1", 51)
+    for values in run_distributed(generation_eval_worker, 2, classifier, tmp_path / "ref2", 51):
+        assert values.keys() == single.keys()
+        for key, value in single.items():
+            assert values[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_evaluate_two_runs_writes_csv_markdown_png_and_resumes(cache, tmp_path):
+    for name, optimizer in (("adamw", "adamw"), ("periodic", "periodic_muon")):
+        fit(tmp_path / name, 20, [ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)], optimizer=optimizer)
+    runs = [str(tmp_path / "adamw"), str(tmp_path / "periodic")]
+    args = ["--out", str(tmp_path / "eval"), "--num-samples", "48", "--num-inference-steps", "3",
+            "--batch-size", "48"]  # fmt: skip
+    evaluate(runs + args)
+    rows = list(csv.DictReader((tmp_path / "eval" / "results.csv").open()))
+    assert sorted((r["run"], int(r["step"])) for r in rows) == [("adamw", 10), ("adamw", 20), ("periodic", 10),
+                                                                ("periodic", 20)]  # fmt: skip
+    assert "| adamw | 10 |" in (tmp_path / "eval" / "results.md").read_text()
+    png = tmp_path / "eval" / "fd_digits.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    before = (tmp_path / "eval" / "results.csv").read_text()
+    evaluate(runs + args)  # nothing left to do: the CSV is unchanged
+    assert (tmp_path / "eval" / "results.csv").read_text() == before
+
+
+@pytest.mark.distributed
+def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
+    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--trainer.strategy", "muon_fsdp",
+           "--trainer.devices", "1", "--trainer.max_steps", "10", "--trainer.enable_progress_bar", "false",
+           "--trainer.callbacks", "[]", "--trainer.val_check_interval", "10",
+           "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+           "--trainer.callbacks.every_n_train_steps", "10"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ckpt,) = find_checkpoints(str(tmp_path / "lightning_logs"))
+    assert ckpt.is_dir()  # a torch.distributed.checkpoint directory
+    loaded = load_checkpoint(ckpt)
+    assert loaded["global_step"] == 10 and "model.pos_embed.proj.weight" in loaded["state_dict"]
+    out = tmp_path / "eval"
+    evaluate([str(tmp_path / "lightning_logs"), "--out", str(out), "--num-samples", "32", "--num-inference-steps",
+              "2", "--batch-size", "32"])  # fmt: skip
+    assert (out / "results.csv").read_text().count("\n") == 2
+    assert torch.isfinite(torch.tensor(float(next(csv.DictReader((out / "results.csv").open()))["eval/fd_digits"])))
