@@ -39,6 +39,7 @@ def _distributed_entry(rank, fn, world_size, port, out_dir, args):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         torch.save(fn(rank, world_size, *args), f"{out_dir}/{rank}.pt")
+        dist.barrier()  # no rank tears its process group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
