@@ -196,3 +196,22 @@ def test_all_configs_parse_with_the_cli():
         with pytest.raises(SystemExit) as exit_info:
             main(["fit", "--config", str(path), "--print_config"])
         assert exit_info.value.code == 0, path
+
+
+@pytest.mark.distributed
+def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
+    """The default recipe on 2 CPU ranks with muon_fsdp: distributed sampling, sharded evaluation, DCP checkpoints,
+    communication counted by the telemetry."""
+    override = Path(__file__).parent / "scripts" / "muon_fsdp_two_devices.yaml"
+    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--config", str(CONFIGS / "digits_tiny.yaml"),
+           "--config", str(override)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version = tmp_path / "lightning_logs" / "version_0"
+    rows = [yaml.safe_load(line) for line in (version / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [10, 20] and all(r["eval/fd_digits"] > 0 for r in rows)
+    assert (version / "checkpoints" / "epoch=0-step=10.ckpt").is_dir()  # distributed checkpoint
+    sent = dict(scalars(version, "optim/rownorm_bytes_sent"))
+    refresh = dict(scalars(version, "optim/refresh"))
+    assert refresh[1] == 1.0 and refresh[2] == 0.0 and sent[2] > 0  # RowNorm steps all-reduce column statistics
