@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
 
-__all__ = ["OPTIMIZERS", "DiTModule", "build_transformer", "logit_normal_timesteps"]
+__all__ = ["OPTIMIZERS", "DiTModule", "PromptEncoder", "build_transformer", "logit_normal_timesteps"]
 
 OPTIMIZERS = ("adamw", "muon", "periodic_muon")
 ARCHITECTURES = ("dit", "pixart")
@@ -44,6 +44,42 @@ def logit_normal_timesteps(n: int, generator: torch.Generator | None = None, mea
     return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
 
 
+def _load_local(cls: Any, path: str, argument: str) -> Any:
+    """``cls.from_pretrained(path, local_files_only=True)``; a missing directory is an error naming the argument."""
+    try:
+        return cls.from_pretrained(path, local_files_only=True)
+    except OSError as err:
+        raise FileNotFoundError(f"Cannot load {cls.__name__} from {path!r} ({argument}): not a local directory nor a "
+                                "cached hub id, and nothing is downloaded. Pass a directory made with "
+                                "save_pretrained().") from err  # fmt: skip
+
+
+class PromptEncoder(nn.Module):
+    """A frozen transformers text encoder (``T5EncoderModel`` for T5 checkpoints) with its tokenizer, from a local
+    directory: prompts → ``{"caption_embeds": (B, L, d), "caption_mask": (B, L)}``, padded to ``max_length``."""
+
+    def __init__(self, path: str, max_length: int = 120) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModel, AutoTokenizer, T5EncoderModel
+
+        config = _load_local(AutoConfig, path, "text_encoder_path")
+        encoder_cls = T5EncoderModel if config.model_type == "t5" else AutoModel
+        self.encoder = _load_local(encoder_cls, path, "text_encoder_path").eval().requires_grad_(False)
+        self.tokenizer = _load_local(AutoTokenizer, path, "text_encoder_path")
+        self.max_length = max_length
+
+    @torch.no_grad()
+    def forward(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        device = next(self.encoder.parameters()).device
+        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt").to(device)  # fmt: skip
+        embeds = self.encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
+        return {"caption_embeds": embeds, "caption_mask": tokens.attention_mask}
+
+    def train(self, mode: bool = True) -> PromptEncoder:
+        return super().train(False)  # frozen: no dropout whatever the parent does
+
+
 class DiTModule(L.LightningModule):
     """Class-conditional DiT or text-conditional PixArt with rectified flow (default) or DDPM ε-prediction.
 
@@ -65,6 +101,9 @@ class DiTModule(L.LightningModule):
         ema_decay: EMA of the weights (0 disables it).
         cfg_dropout: condition dropout probability.
         vae_path: optional diffusers ``AutoencoderKL`` directory: train in its latent space.
+        text_encoder_path: a transformers text encoder + tokenizer directory (T5 for PixArt): batches with
+            ``"caption"`` strings and :meth:`generate` with prompts are encoded with it (frozen).
+        max_caption_length: tokens per caption.
         val_timesteps: points of the fixed timestep grid of the validation loss.
     """
 
@@ -90,6 +129,8 @@ class DiTModule(L.LightningModule):
         ema_decay: float = 0.999,
         cfg_dropout: float = 0.1,
         vae_path: str | None = None,
+        text_encoder_path: str | None = None,
+        max_caption_length: int = 120,
         val_timesteps: int = 8,
     ) -> None:
         super().__init__()
@@ -105,6 +146,7 @@ class DiTModule(L.LightningModule):
         self.model: nn.Module | None = None
         self.ema: nn.Module | None = None
         self.vae = None
+        self.text_encoder: PromptEncoder | None = None
 
     # ------------------------------------------------------------------------------------------------- model
     @property
@@ -121,7 +163,15 @@ class DiTModule(L.LightningModule):
         if self.hparams.vae_path:
             from diffusers import AutoencoderKL
 
-            self.vae = AutoencoderKL.from_pretrained(self.hparams.vae_path, local_files_only=True).requires_grad_(False)
+            self.vae = _load_local(AutoencoderKL, self.hparams.vae_path, "vae_path").requires_grad_(False)
+        if self.hparams.text_encoder_path:
+            self.text_encoder = PromptEncoder(self.hparams.text_encoder_path, self.hparams.max_caption_length)
+
+    def encode_prompts(self, prompts: Sequence[str]) -> dict[str, Tensor]:
+        """Caption embeddings and mask of ``prompts`` (see :class:`PromptEncoder`)."""
+        if self.text_encoder is None:
+            raise ValueError("Prompts need a text encoder: set text_encoder_path (or pass caption_embeds).")
+        return self.text_encoder(prompts)
 
     def _network(self, use_ema: bool) -> nn.Module:
         self.configure_model()
@@ -139,8 +189,11 @@ class DiTModule(L.LightningModule):
             return {"labels": torch.full_like(cond["labels"], self.hparams.num_classes)}
         return {k: torch.zeros_like(v) if k == "caption_embeds" else v for k, v in cond.items()}
 
-    def _conditions(self, batch: dict[str, Tensor], drop: bool, generator: torch.Generator | None = None) -> dict:
-        cond = {k: batch[k] for k in ("labels", "caption_embeds", "caption_mask") if k in batch}
+    def _conditions(self, batch: dict[str, Any], drop: bool, generator: torch.Generator | None = None) -> dict:
+        if self.hparams.architecture == "pixart" and "caption_embeds" not in batch:
+            batch = {**batch, **self.encode_prompts(batch["caption"])}
+        keys = ("labels",) if self.hparams.architecture == "dit" else ("caption_embeds", "caption_mask")
+        cond = {k: batch[k] for k in keys if k in batch}
         if drop and self.hparams.cfg_dropout > 0:
             n = len(next(iter(cond.values())))
             mask = torch.rand(n, generator=generator).to(self.device) < self.hparams.cfg_dropout
@@ -251,14 +304,19 @@ class DiTModule(L.LightningModule):
         initial noise comes from its own generator), not on ``batch_size`` or the number of ranks.
 
         Args:
-            conditions: class labels (DiT), or ``{"caption_embeds": ..., "caption_mask": ...}`` (PixArt).
+            conditions: class labels (DiT); prompts or ``{"caption_embeds": ..., "caption_mask": ...}`` (PixArt).
             seeds: one seed per sample.
             num_inference_steps: Euler (flow) or DDIM (DDPM) steps.
             guidance_scale: classifier-free guidance; 1 disables the unconditional pass.
             use_ema: sample with the EMA weights when there are any.
         """
         net = self._network(use_ema)
-        cond_all = {"labels": torch.as_tensor(list(conditions))} if not isinstance(conditions, dict) else conditions
+        if isinstance(conditions, dict):
+            cond_all = conditions
+        elif self.hparams.architecture == "pixart":
+            cond_all = self.encode_prompts(conditions)
+        else:
+            cond_all = {"labels": torch.as_tensor(list(conditions))}
         if len(seeds) != len(next(iter(cond_all.values()))):
             raise ValueError("Pass exactly one seed per condition.")
         cfg = self.model_config

@@ -1,5 +1,6 @@
 """The DiT recipe: CLI default run, optimizer selection, generation, EMA, resume, data errors, configs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -215,3 +216,72 @@ def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
     sent = dict(scalars(version, "optim/rownorm_bytes_sent"))
     refresh = dict(scalars(version, "optim/refresh"))
     assert refresh[1] == 1.0 and refresh[2] == 0.0 and sent[2] > 0  # RowNorm steps all-reduce column statistics
+
+
+def tiny_text_encoder(path):
+    """A random-init T5 encoder and a word-level tokenizer saved with save_pretrained (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "blue", "cat", "dog", "car", "two", "birds"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)  # fmt: skip
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=len(words), d_model=12, d_kv=4, num_heads=2, num_layers=1, d_ff=16,
+                            decoder_start_token_id=0)).save_pretrained(path)  # fmt: skip
+
+
+def test_pixart_with_a_text_encoder_trains_and_generates(tmp_path):
+    tiny_text_encoder(tmp_path / "t5")
+    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=3, out_channels=3, num_layers=2,
+                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    module = DiTModule(architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "t5"),
+                       max_caption_length=6)  # fmt: skip
+    module.configure_model()
+    batch = {"images": torch.rand(4, 3, 8, 8) * 2 - 1, "caption": ["a red cat", "a dog", "two birds", "a blue car"]}
+    loss = module.training_step(batch, 0)
+    loss.backward()
+    assert torch.isfinite(loss) and module.model.caption_projection.linear_1.weight.grad is not None
+    assert module.text_encoder.encoder.shared.weight.grad is None  # the text encoder is frozen
+    a = module.generate(["a red cat", "a dog"], [1, 2], num_inference_steps=3, guidance_scale=3.0)
+    b = module.generate(["a red cat", "a dog"], [1, 2], num_inference_steps=3, guidance_scale=3.0, batch_size=1)
+    assert a.shape == (2, 3, 8, 8) and (a.int() - b.int()).abs().max() <= 1
+    with pytest.raises(FileNotFoundError, match="text_encoder_path"):
+        DiTModule(
+            architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "none")
+        ).configure_model()
+
+
+def test_encode_latents_script_feeds_latent_shards(tmp_path):
+    from diffusers import AutoencoderKL
+    from PIL import Image
+
+    from lightning_muon.recipes.encode_latents import main as encode
+
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+                  up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(8, 8),
+                  latent_channels=4, norm_num_groups=4, sample_size=16).save_pretrained(tmp_path / "vae")  # fmt: skip
+    tiny_text_encoder(tmp_path / "t5")
+    images = tmp_path / "images"
+    images.mkdir()
+    lines = []
+    for i, caption in enumerate(["a red cat", "a dog", "two birds", "a blue car", "a cat"]):
+        Image.new("RGB", (24, 20), color=(40 * i, 90, 200)).save(images / f"{i}.png")
+        lines.append(json.dumps({"file": f"{i}.png", "caption": caption}))
+    (images / "captions.jsonl").write_text("\n".join(lines))
+    shards = encode(["--images", str(images), "--vae", str(tmp_path / "vae"), "--text-encoder", str(tmp_path / "t5"),
+                     "--out", str(tmp_path / "latents"), "--image-size", "16", "--shard-size", "3",
+                     "--max-caption-length", "6", "--batch-size", "2", "--device", "cpu"])  # fmt: skip
+    assert len(shards) == 2
+    dm = LatentShardsDataModule(str(tmp_path / "latents"), batch_size=5, num_workers=0)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["latents"].shape == (5, 4, 8, 8) and batch["caption_embeds"].shape == (5, 6, 12)
+    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=1,
+                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    module = DiTModule(architecture="pixart", model_config=pixart)
+    module.configure_model()
+    assert torch.isfinite(module.training_step(batch, 0))
