@@ -124,7 +124,8 @@ def score_generation(
 
 
 class GenerationEvaluation(Callback):
-    """Every ``every_n_steps`` training steps (and at the end of training), generate ``num_samples`` images with
+    """Every ``every_n_steps`` training steps, whenever a checkpoint is saved (``on_checkpoint``) and at the end of
+    training, generate ``num_samples`` images with
     the module's EMA weights, update the metrics and log ``eval/<metric>`` to every logger at the global step, an
     image grid to TensorBoard, ``eval/seconds``, and a line in ``metrics.jsonl`` beside the checkpoints.
 
@@ -139,6 +140,7 @@ class GenerationEvaluation(Callback):
     Args:
         metrics: names from :data:`lightning_muon.metrics.presets.METRIC_NAMES`.
         every_n_steps: evaluation period in optimizer steps (0: only at the end of training).
+        on_checkpoint: also evaluate whenever a checkpoint is saved (once per global step).
         num_samples: generated images per evaluation.
         num_classes: classes of the conditions.
         num_inference_steps / guidance_scale: sampler settings.
@@ -154,6 +156,7 @@ class GenerationEvaluation(Callback):
         self,
         metrics: list[str] | tuple[str, ...] = ("fd_digits", "prdc_digits"),
         every_n_steps: int = 500,
+        on_checkpoint: bool = False,
         num_samples: int = 1000,
         num_classes: int = 10,
         num_inference_steps: int = 25,
@@ -172,7 +175,8 @@ class GenerationEvaluation(Callback):
         if every_n_steps < 0 or num_samples < 2:
             raise ValueError(f"every_n_steps must be >= 0 and num_samples >= 2, got {every_n_steps}, {num_samples}.")
         self.metric_names = list(metrics)
-        self.every_n_steps, self.num_samples, self.num_classes = every_n_steps, num_samples, num_classes
+        self.every_n_steps, self.on_checkpoint = every_n_steps, on_checkpoint
+        self.num_samples, self.num_classes = num_samples, num_classes
         self.num_inference_steps, self.guidance_scale, self.batch_size = num_inference_steps, guidance_scale, batch_size
         self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
         self.weights = dict(dinov2_weights=dinov2_weights, inception_weights=inception_weights,
@@ -194,6 +198,11 @@ class GenerationEvaluation(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_step:
+            self.evaluate(trainer, pl_module)
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if self.on_checkpoint and trainer.training and trainer.global_step != self._last_step:
             self.evaluate(trainer, pl_module)
 
     @override

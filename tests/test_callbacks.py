@@ -135,3 +135,11 @@ def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
               "2", "--batch-size", "32"])  # fmt: skip
     assert (out / "results.csv").read_text().count("\n") == 2
     assert torch.isfinite(torch.tensor(float(next(csv.DictReader((out / "results.csv").open()))["eval/fd_digits"])))
+
+
+def test_generation_evaluation_on_every_checkpoint(cache, tmp_path):
+    evaluation = GenerationEvaluation(every_n_steps=0, on_checkpoint=True, num_samples=32, num_inference_steps=2,
+                                      batch_size=32, progress=False)  # fmt: skip
+    trainer = fit(tmp_path, 14, [evaluation, ModelCheckpoint(every_n_train_steps=7, save_top_k=-1, save_last=True)])
+    assert [h["step"] for h in evaluation.history] == [7, 14]
+    assert [e.step for e in event_scalars(trainer.logger.log_dir).Scalars("eval/fd_digits")] == [7, 14]
