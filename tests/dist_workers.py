@@ -108,3 +108,26 @@ def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_sam
     values, _ = score_generation(module, metrics, num_samples, 10, 0, 3, 1.0, 16, progress=False)
     values.pop("eval/seconds")
     return values
+
+
+def nonfinite_consensus_worker(rank, world_size, period):
+    """NaN in one element that only the last rank holds: every rank must skip the same step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    module = nn.Module()
+    module.weights = nn.ParameterList([nn.Parameter(p) for p in full_params([(8, 16), (16, 8)])])
+    fully_shard(module, mesh=mesh)
+    params = list(module.weights)
+    opt = PeriodicRowwiseMuon(params, period=period, skip_nonfinite=True)
+    skipped = []
+    for t, grads in enumerate(full_grads([(8, 16), (16, 8)], 4)):
+        if t == 2:
+            grads[0][-1, 3] = float("nan")  # the last row of the wide matrix lives on the last rank
+        for p, g in zip(params, grads):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)])
+        opt.step()
+        skipped.append(opt.nonfinite_steps_skipped)
+    return {"skipped": skipped, "steps": [float(opt.state[p]["step"]) for p in params]}

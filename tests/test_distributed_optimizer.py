@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from dist_workers import SHAPES, dense_run, placement_error_worker, sharded_run
+from dist_workers import SHAPES, dense_run, nonfinite_consensus_worker, placement_error_worker, sharded_run
 from helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -62,3 +62,10 @@ def test_hsdp_mesh_shards_over_the_shard_dimension_only():
 def test_column_sharded_matrix_is_refused():
     (message, _) = run_distributed(placement_error_worker, 2)
     assert "Tensor-parallel or column-sharded matrices are not supported" in message
+
+
+@pytest.mark.parametrize("period", [1, 3])
+def test_nonfinite_gradient_on_one_rank_is_skipped_by_all(period):
+    results = run_distributed(nonfinite_consensus_worker, 2, period)
+    for r in results:
+        assert r["skipped"] == [0, 0, 1, 1] and r["steps"] == [3.0, 3.0]

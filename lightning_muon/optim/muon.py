@@ -55,7 +55,7 @@ class _Work:
     shards: list[RowShard] = field(default_factory=list)
     refresh: list[int] = field(default_factory=list)
     rownorm: list[int] = field(default_factory=list)
-    sumsq: list[Tensor] = field(default_factory=list)
+    sumsq: list[Tensor | None] = field(default_factory=list)
     partial: list[bool] = field(default_factory=list)
 
 
@@ -267,42 +267,59 @@ class PeriodicRowwiseMuon(Optimizer):
         return work
 
     def _plan(self, group: dict[str, Any], work: _Work) -> None:
-        """Read-only first phase: which matrices refresh, and the RowNorm row statistics of the others (partial
-        column sums on this rank's rows for tall sharded matrices)."""
+        """Which matrices refresh and which take RowNorm; the latter's row statistics are filled by
+        :meth:`_row_statistics` (partial column sums on this rank's rows for tall sharded matrices)."""
         if not group["use_muon"]:
             return
         refresh = [int(self.state[p]["step"].item()) % group["period"] == 0 for p in work.params]  # (t - 1) mod K
         work.refresh = [i for i, r in enumerate(refresh) if r]
         work.rownorm = [i for i, r in enumerate(refresh) if not r]
+        work.partial = [row_norm_dim(work.shards[i].shape) == -2 and work.shards[i].sharded for i in work.rownorm]
+        work.sumsq = [None] * len(work.rownorm)
+
+    def _row_statistics(self, works: list[_Work], partial: bool) -> None:
+        """Read-only: Σ N² along each RowNorm matrix's reduction axis, for the partial (or the local) ones."""
         sumsq_fn = compiled_rownorm_kernels()[0] if self.fused else rownorm_sumsq
-        for i in work.rownorm:
-            buf = _local(self.state[work.params[i]]["momentum_buffer"])
-            dim = row_norm_dim(work.shards[i].shape)
-            work.sumsq.append(sumsq_fn(buf, work.grads[i], group["momentum"], group["nesterov"], dim))
-            work.partial.append(dim == -2 and work.shards[i].sharded)
+        for group, work in zip(self.param_groups, works):
+            for j, (i, part) in enumerate(zip(work.rownorm, work.partial)):
+                if part == partial:
+                    buf = _local(self.state[work.params[i]]["momentum_buffer"])
+                    dim = row_norm_dim(work.shards[i].shape)
+                    work.sumsq[j] = sumsq_fn(buf, work.grads[i], group["momentum"], group["nesterov"], dim)
 
     def _sync_and_check(self, works: list[_Work]) -> str | None:
-        """Complete the partial row statistics and agree on finiteness on all ranks: one all-reduce when sharded.
+        """Row statistics, completed across ranks, and one finiteness verdict shared by all ranks.
 
-        The buffer holds every partial column-sum vector and one probe of everything else (the local RowNorm
-        statistics and a multi-tensor norm of the other gradients): non-finite anywhere on any rank makes it
-        non-finite everywhere, so all ranks raise or skip together. Returns the name of a parameter with a NaN/inf
-        gradient (``"a parameter on another rank"`` when it is not local), or None.
+        Single process: the local statistics of RowNorm matrices (a finite momentum with a non-finite gradient gives a
+        non-finite sum of squares) plus one multi-tensor norm of the other gradients, one host sync. Sharded: ONE
+        async all-reduce carries every partial column-sum vector of tall matrices and a probe of all other local
+        gradients; the statistics of matrices with local rows are computed while it is in flight. Non-finite anywhere
+        on any rank makes the buffer non-finite everywhere, so all ranks raise or skip together. Returns the name of
+        a parameter with a NaN/inf gradient (``"a parameter on another rank"`` when it is not local), or None.
         """
-        probes = [sq.sum() for w in works for sq, part in zip(w.sumsq, w.partial) if not part]
-        rest = [g for w in works for i, g in enumerate(w.grads) if i not in set(w.rownorm)]
-        probes += list(torch._foreach_norm(rest)) if rest else []
         device = next((g.device for w in works for g in w.grads), torch.device("cpu"))
-        probe = torch.stack(probes).sum().float() if probes else torch.zeros((), device=device)
         group = next((s.group for w in works for s in w.shards if s.sharded), None)
+        partial_rows = {(k, w.rownorm[j]) for k, w in enumerate(works) for j, part in enumerate(w.partial) if part}
+        if group is None:
+            self._row_statistics(works, partial=False)
+            probes = [sq.sum() for w in works for sq in w.sumsq]
+            rest = [g for w in works for i, g in enumerate(w.grads) if i not in set(w.rownorm)]
+        else:
+            self._row_statistics(works, partial=True)
+            probes = []
+            rest = [g for k, w in enumerate(works) for i, g in enumerate(w.grads) if (k, i) not in partial_rows]
+        probes += list(torch._foreach_norm(rest)) if rest else []
+        probe = torch.stack(probes).sum().float() if probes else torch.zeros((), device=device)
         if group is None:
             finite = bool(probe.isfinite())
         else:
             partials = [sq for w in works for sq, part in zip(w.sumsq, w.partial) if part]
             flat = torch.cat([t.reshape(-1).float() for t in partials] + [probe.reshape(1)])
-            dist.all_reduce(flat, group=group)
+            handle = dist.all_reduce(flat, group=group, async_op=True)
             branch = "rownorm" if any(w.rownorm for w in works) else "refresh"
             self._comm.add(branch, flat.numel() * flat.element_size(), flat.numel() * flat.element_size())
+            self._row_statistics(works, partial=False)  # overlapped with the all-reduce
+            handle.wait()
             finite = bool(flat.isfinite().all())
             for t, reduced in zip(partials, flat[:-1].split([t.numel() for t in partials])):
                 t.copy_(reduced.view_as(t))
