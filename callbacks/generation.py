@@ -16,7 +16,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_muon.metrics.generation import ensure_reference
+from lightning_muon.metrics.generation import HPSv2Score, ensure_reference
+from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import build_metrics
 
 __all__ = [
@@ -90,10 +91,13 @@ def score_generation(
     grid_size: int = 0,
     progress: bool = True,
     desc: str = "generating",
+    prompts: list[str] | None = None,
 ) -> tuple[dict[str, float], Tensor | None]:
     """Generate the globally indexed sample set with ``module.generate`` and compute ``metrics`` on it.
 
-    Rank r generates the samples i ≡ r (mod W) in equal-sized batches (padded, padding dropped before the metric
+    Sample i is conditioned on class ``i mod num_classes``, or with ``prompts`` on prompt ``i mod len(prompts)``
+    (text-to-image; :class:`HPSv2Score` then scores image–prompt pairs); its seed is ``seed + i``. Rank r
+    generates the samples i ≡ r (mod W) in equal-sized batches (padded, padding dropped before the metric
     update) so every rank runs the same number of forward passes. Returns ``{"eval/...": value, "eval/seconds"}``
     and up to ``grid_size`` samples of this rank (uint8) for a grid.
     """
@@ -109,11 +113,15 @@ def score_generation(
     grid: list[Tensor] = []
     for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not (progress and rank == 0), leave=False):
         idx = slice(b, b + batch_size)
-        images = module.generate(labels[idx], seeds[idx].tolist(), num_inference_steps, guidance_scale,
-                                 batch_size=batch_size)  # fmt: skip
-        images = images[(indices[idx] < num_samples).to(images.device)]
+        keep = indices[idx] < num_samples
+        conditions = [prompts[i % len(prompts)] for i in indices[idx].tolist()] if prompts else labels[idx]
+        images = module.generate(conditions, seeds[idx].tolist(), num_inference_steps, guidance_scale,
+                                 batch_size=batch_size)[keep.to(module.device)]  # fmt: skip
         for metric in metrics.values():
-            metric.update(images, real=False)
+            if isinstance(metric, HPSv2Score):
+                metric.update(images, [c for c, k in zip(conditions, keep.tolist()) if k])
+            else:
+                metric.update(images, real=False)
         if sum(len(g) for g in grid) < grid_size:
             grid.append(images.cpu())
     values: dict[str, float] = {}
@@ -149,6 +157,10 @@ class GenerationEvaluation(Callback):
         grid_size: images in the logged grid.
         seed: base noise seed.
         dinov2_weights / inception_weights / clip_weights / hps_weights: local weights for those metrics.
+        prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
+            (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
+        real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
+            (latent-shard training has no images), resized and center-cropped to ``real_image_size``.
         progress: show a progress bar on rank 0.
     """
 
@@ -169,6 +181,9 @@ class GenerationEvaluation(Callback):
         inception_weights: str | None = None,
         clip_weights: str | None = None,
         hps_weights: str | None = None,
+        prompts_file: str | None = None,
+        real_images_dir: str | None = None,
+        real_image_size: int = 512,
         progress: bool = True,
     ) -> None:
         super().__init__()
@@ -181,15 +196,20 @@ class GenerationEvaluation(Callback):
         self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
         self.weights = dict(dinov2_weights=dinov2_weights, inception_weights=inception_weights,
                             clip_weights=clip_weights, hps_weights=hps_weights)  # fmt: skip
+        self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
+        self.prompts: list[str] | None = None
         self.metrics: dict[str, Any] = {}
         self._last_step = -1
         self.history: list[dict[str, float]] = []
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if "hpsv2" in self.metric_names:
-            raise ValueError("hpsv2 needs prompts; GenerationEvaluation samples class-conditional models. Score "
-                             "text-conditional samples with lightning_muon.metrics.HPSv2Score directly.")  # fmt: skip
+        if self.prompts_file:
+            self.prompts = [line.strip() for line in Path(self.prompts_file).read_text().splitlines() if line.strip()]
+            if not self.prompts:
+                raise ValueError(f"prompts_file {self.prompts_file} has no prompts (one per line).")
+        if "hpsv2" in self.metric_names and not self.prompts:
+            raise ValueError("hpsv2 scores image-prompt pairs: pass prompts_file= (one prompt per line).")
         self.metrics = build_metrics(self.metric_names, **self.weights)
         for metric in self.metrics.values():
             metric.to(pl_module.device)
@@ -211,11 +231,17 @@ class GenerationEvaluation(Callback):
             self.evaluate(trainer, pl_module)
 
     def _references(self, trainer: L.Trainer) -> None:
-        real = getattr(trainer.datamodule, "real_images", None)
+        if self.real_images_dir:
+            real, name = (
+                lambda: folder_images(self.real_images_dir, self.real_image_size),
+                Path(self.real_images_dir).name,
+            )
+        else:
+            real, name = getattr(trainer.datamodule, "real_images", None), type(trainer.datamodule).__name__
         if real is None:
-            raise AttributeError("GenerationEvaluation needs the datamodule to provide real_images() (uint8 images).")
+            raise AttributeError("GenerationEvaluation needs real_images_dir= or a datamodule with real_images().")
         cache = Path(self.reference_dir or Path(trainer.default_root_dir) / "eval_reference")
-        prepare_references(self.metrics, real, cache, type(trainer.datamodule).__name__, self.batch_size)
+        prepare_references(self.metrics, real, cache, name, self.batch_size)
 
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Run one evaluation now (all ranks must call it); returns the logged values."""
@@ -224,7 +250,7 @@ class GenerationEvaluation(Callback):
         desc = f"eval @ step {trainer.global_step}"
         values, grid = score_generation(pl_module, self.metrics, self.num_samples, self.num_classes, self.seed,
                                         self.num_inference_steps, self.guidance_scale, self.batch_size,
-                                        self.grid_size, self.progress, desc)  # fmt: skip
+                                        self.grid_size, self.progress, desc, self.prompts)  # fmt: skip
         self.history.append({"step": trainer.global_step, **values})
         if trainer.is_global_zero:
             self._publish(trainer, values, grid)

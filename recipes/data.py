@@ -7,18 +7,22 @@ is Lightning's (it inserts a ``DistributedSampler``).
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["DigitsDataModule", "ImageFolderDataModule", "LatentShardsDataModule", "write_latent_shard"]
+from lightning_muon.metrics.images import ImageFolder
 
-log = logging.getLogger(__name__)
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+__all__ = [
+    "DigitsDataModule",
+    "ImageFolder",
+    "ImageFolderDataModule",
+    "LatentShardsDataModule",
+    "write_latent_shard",
+]
+
 
 
 class _DictDataset(Dataset):
@@ -118,68 +122,6 @@ class DigitsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
-
-
-class ImageFolder(Dataset):
-    """Images from class sub-folders (``root/<class>/*.png``) or a captions file (``root/captions.jsonl`` with
-    ``{"file": ..., "caption": ...}`` lines). Resized (short side) and center-cropped to ``size``, in [-1, 1].
-
-    A missing or corrupt image raises an error naming the file, or with ``skip_corrupt=True`` is replaced by the
-    next readable one and counted in ``skipped``.
-    """
-
-    def __init__(self, root: str | Path, size: int, skip_corrupt: bool = False) -> None:
-        self.root, self.size, self.skip_corrupt = Path(root), size, skip_corrupt
-        captions = self.root / "captions.jsonl"
-        if captions.is_file():
-            rows = [json.loads(line) for line in captions.read_text().splitlines() if line.strip()]
-            self.files = [self.root / r["file"] for r in rows]
-            self.captions: list[str] | None = [r["caption"] for r in rows]
-            self.classes: list[str] = []
-            self.labels = [0] * len(rows)
-        else:
-            self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir()) if self.root.is_dir() else []
-            if not self.classes:
-                raise FileNotFoundError(f"{self.root} has neither class sub-folders nor a captions.jsonl file.")
-            pairs = [(f, c) for c, name in enumerate(self.classes) for f in sorted((self.root / name).iterdir())
-                     if f.suffix.lower() in IMAGE_SUFFIXES]  # fmt: skip
-            self.files, self.labels = [f for f, _ in pairs], [c for _, c in pairs]
-            self.captions = None
-        self.skipped = 0
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def load(self, path: Path) -> torch.Tensor:
-        from PIL import Image, UnidentifiedImageError
-        from torchvision.transforms.functional import center_crop, pil_to_tensor, resize
-
-        try:
-            with Image.open(path) as image:
-                x = pil_to_tensor(image.convert("RGB"))
-        except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
-            raise OSError(
-                f"Cannot read image {path}: {err}. Fix or remove the file, or pass skip_corrupt=True."
-            ) from err
-        x = center_crop(resize(x, self.size, antialias=True), [self.size, self.size])
-        return x.float() / 127.5 - 1
-
-    def __getitem__(self, i: int) -> dict:
-        for offset in range(len(self.files)):
-            j = (i + offset) % len(self.files)
-            try:
-                item = {"images": self.load(self.files[j]), "labels": torch.tensor(self.labels[j])}
-                break
-            except OSError:
-                if not self.skip_corrupt:
-                    raise
-                self.skipped += 1
-                log.warning("Skipping unreadable image %s (%d skipped)", self.files[j], self.skipped)
-        else:
-            raise OSError(f"No readable image in {self.root}.")
-        if self.captions is not None:
-            item["caption"] = self.captions[j]
-        return item
 
 
 class ImageFolderDataModule(L.LightningDataModule):

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from lightning_muon.callbacks.generation import prepare_references, score_generation
+from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
-from lightning_muon.recipes.data import DigitsDataModule, ImageFolder
+from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.module import DiTModule
 
 __all__ = ["find_checkpoints", "load_checkpoint", "main"]
@@ -162,9 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.real == "digits":
         real, data_name = DigitsDataModule().real_images, "digits"
     else:
-        folder = ImageFolder(args.real, args.image_size)
-        real = lambda: torch.stack([((folder[i]["images"] + 1) * 127.5).round().to(torch.uint8)  # noqa: E731
-                                    for i in range(len(folder))])  # fmt: skip
+        real = lambda: folder_images(args.real, args.image_size)  # noqa: E731
         data_name = Path(args.real).name
     prepare_references(metrics, real, out / "reference", data_name, args.batch_size)
 

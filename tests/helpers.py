@@ -102,3 +102,37 @@ def ddp_metric_worker(rank, world_size, classifier_path, n_real, n_fake):
     """Each rank sees the samples i ≡ rank (mod world size): uneven shards when sizes are not divisible."""
     real, fake = digits_images(n_real), digits_images(n_fake, noise=0.2)
     return metric_values(digits_metrics(classifier_path), real[rank::world_size], fake[rank::world_size], 16)
+
+
+def tiny_text_encoder(path):
+    """A random-init T5 encoder and a word-level tokenizer saved with save_pretrained (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "red", "blue", "cat", "dog", "car", "two", "birds"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(path)  # fmt: skip
+    torch.manual_seed(0)
+    T5EncoderModel(T5Config(vocab_size=len(words), d_model=12, d_kv=4, num_heads=2, num_layers=1, d_ff=16,
+                            decoder_start_token_id=0)).save_pretrained(path)  # fmt: skip
+
+
+def tiny_open_clip_config(tmp_path):
+    import json
+
+    import open_clip
+
+    cfg = {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 16},
+        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
+    }
+    (tmp_path / "tiny-test-clip.json").write_text(json.dumps(cfg))
+    open_clip.add_model_config(tmp_path / "tiny-test-clip.json")
+    torch.manual_seed(0)
+    model = open_clip.create_model("tiny-test-clip", pretrained=None)
+    path = tmp_path / "tiny_clip.pt"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, path)
+    return model, path

@@ -143,3 +143,32 @@ def test_generation_evaluation_on_every_checkpoint(cache, tmp_path):
     trainer = fit(tmp_path, 14, [evaluation, ModelCheckpoint(every_n_train_steps=7, save_top_k=-1, save_last=True)])
     assert [h["step"] for h in evaluation.history] == [7, 14]
     assert [e.step for e in event_scalars(trainer.logger.log_dir).Scalars("eval/fd_digits")] == [7, 14]
+
+
+def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
+    """A tiny PixArt with a tiny T5 generates for prompts i mod P; HPSv2 scores exactly those image-prompt pairs."""
+    from helpers import tiny_open_clip_config, tiny_text_encoder
+
+    from lightning_muon.callbacks.generation import prepare_references, score_generation
+    from lightning_muon.metrics import FrechetDistance, HPSv2Score
+
+    tiny_text_encoder(tmp_path / "t5")
+    _, clip_path = tiny_open_clip_config(tmp_path)
+    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=3, out_channels=3, num_layers=1,
+                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    torch.manual_seed(0)
+    module = DiTModule(architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "t5"),
+                       max_caption_length=6)  # fmt: skip
+    module.configure_model()
+    prompts = ["a red cat", "a dog", "two birds"]
+    metrics = {
+        "hpsv2": HPSv2Score(clip_path, model_name="tiny-test-clip"),
+        "fd_digits": FrechetDistance(DigitsFeatures()),
+    }
+    prepare_references(metrics, DigitsDataModule().real_images, tmp_path / "ref", "digits", 256)
+    values, grid = score_generation(module, metrics, 7, 10, 0, 2, 2.0, 4, grid_size=4, progress=False, prompts=prompts)
+    assert {"eval/hpsv2", "eval/fd_digits"} <= values.keys() and grid.shape == (4, 3, 8, 8)
+    expected_prompts = [prompts[i % 3] for i in range(7)]
+    images = module.generate(expected_prompts, list(range(7)), 2, 2.0)
+    independent = HPSv2Score(clip_path, model_name="tiny-test-clip").scores(images, expected_prompts).mean()
+    assert values["eval/hpsv2"] == pytest.approx(float(independent), rel=1e-4)

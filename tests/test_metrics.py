@@ -1,10 +1,15 @@
 """Metric classes: batching invariance, DDP == single process, reference caching, extractors, missing weights."""
 
-import json
-
 import pytest
 import torch
-from helpers import ddp_metric_worker, digits_images, digits_metrics, metric_values, run_distributed
+from helpers import (
+    ddp_metric_worker,
+    digits_images,
+    digits_metrics,
+    metric_values,
+    run_distributed,
+    tiny_open_clip_config,
+)
 
 from lightning_muon.metrics import (
     ClipFeatures,
@@ -196,23 +201,6 @@ def test_inception_from_local_weights_file(tmp_path):
 def test_inception_missing_weights_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="pt_inception-2015-12-05"):
         InceptionFeatures(tmp_path / "missing.pth")
-
-
-def tiny_open_clip_config(tmp_path):
-    import open_clip
-
-    cfg = {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 16},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-    }
-    (tmp_path / "tiny-test-clip.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(tmp_path / "tiny-test-clip.json")
-    torch.manual_seed(0)
-    model = open_clip.create_model("tiny-test-clip", pretrained=None)
-    path = tmp_path / "tiny_clip.pt"
-    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, path)
-    return model, path
 
 
 def test_clip_features_and_hps_wiring(tmp_path):

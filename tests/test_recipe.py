@@ -10,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from helpers import tiny_text_encoder
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_muon.recipes.cli import CONFIGS
@@ -216,21 +217,6 @@ def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
     sent = dict(scalars(version, "optim/rownorm_bytes_sent"))
     refresh = dict(scalars(version, "optim/refresh"))
     assert refresh[1] == 1.0 and refresh[2] == 0.0 and sent[2] > 0  # RowNorm steps all-reduce column statistics
-
-
-def tiny_text_encoder(path):
-    """A random-init T5 encoder and a word-level tokenizer saved with save_pretrained (nothing downloaded)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-    words = ["<pad>", "</s>", "<unk>", "a", "red", "blue", "cat", "dog", "car", "two", "birds"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)  # fmt: skip
-    torch.manual_seed(0)
-    T5EncoderModel(T5Config(vocab_size=len(words), d_model=12, d_kv=4, num_heads=2, num_layers=1, d_ff=16,
-                            decoder_start_token_id=0)).save_pretrained(path)  # fmt: skip
 
 
 def test_pixart_with_a_text_encoder_trains_and_generates(tmp_path):
