@@ -73,6 +73,10 @@ def shard_transformer(
     return module
 
 
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
 def _is_sharded(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
@@ -139,9 +143,13 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                 "Found FSDP1 (FullyShardedDataParallel) modules: muon_fsdp needs FSDP2 DTensor parameters. Use "
                 "torch.distributed.fsdp.fully_shard in configure_model(), or let the strategy shard the model."
             )
-        _materialize_distributed_module(self.model, self.root_device)
         if not _is_sharded(self.model):
             shard_transformer(self.model, self.shard_mesh, self.mp_policy, self.reshard_after_forward)
+        # a model built on the meta device (configure_model) is materialized shard by shard, after sharding
+        materialize = _has_meta_tensors(self.model)
+        _materialize_distributed_module(self.model, self.root_device)
+        if materialize and callable(hook := getattr(self.lightning_module, "on_materialized", None)):
+            hook()  # re-initialize what reset_parameters() does not cover
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

@@ -24,7 +24,6 @@ __all__ = [
 ]
 
 
-
 class _DictDataset(Dataset):
     def __init__(self, **tensors: torch.Tensor) -> None:
         self.tensors = tensors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Sequence
@@ -154,18 +155,55 @@ class DiTModule(L.LightningModule):
         return dict(self.hparams.model_config or TINY_DIT)
 
     def configure_model(self) -> None:
-        """Build the network (and its EMA copy) once, under the strategy's init context (meta device at scale)."""
+        """Build the network (and its EMA copy) once.
+
+        Under a sharding strategy (a device mesh is set, e.g. ``muon_fsdp``) the transformer is built on the meta
+        device: no rank ever holds the full model; the strategy shards it, materializes the shards and calls
+        :meth:`on_materialized`.
+        """
         if self.model is not None:
             return
-        self.model = build_transformer(self.hparams.architecture, self.model_config)
-        if self.hparams.ema_decay > 0:
-            self.ema = copy.deepcopy(self.model).requires_grad_(False)
+        meta = self._device_mesh is not None
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            self.model = build_transformer(self.hparams.architecture, self.model_config)
+            if self.hparams.ema_decay > 0:
+                self.ema = copy.deepcopy(self.model).requires_grad_(False)
         if self.hparams.vae_path:
             from diffusers import AutoencoderKL
 
             self.vae = _load_local(AutoencoderKL, self.hparams.vae_path, "vae_path").requires_grad_(False)
         if self.hparams.text_encoder_path:
             self.text_encoder = PromptEncoder(self.hparams.text_encoder_path, self.hparams.max_caption_length)
+
+    @torch.no_grad()
+    def on_materialized(self) -> None:
+        """After meta-device init: ``reset_parameters()`` re-initialized Linear / Conv / Norm / Embedding shards;
+        this restores the rest — the sin-cos position embeddings and PixArt's ``scale_shift_table`` (randn / √d, as
+        diffusers) — and copies the weights into the EMA."""
+        from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        g = torch.Generator().manual_seed(0)
+        for module in self.model.modules():
+            if isinstance(module, PatchEmbed) and module.pos_embed is not None:
+                grid = int(module.pos_embed.shape[1] ** 0.5)
+                table = get_2d_sincos_pos_embed(
+                    module.pos_embed.shape[-1],
+                    grid,
+                    base_size=module.base_size,
+                    interpolation_scale=module.interpolation_scale,
+                    output_type="pt",
+                )
+                module.pos_embed.copy_(table.float().unsqueeze(0).to(module.pos_embed.device))  # fmt: skip
+        for name, p in self.model.named_parameters():
+            if name.endswith("scale_shift_table"):
+                full = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+                p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
+        if self.ema is not None:
+            for e, p in zip(self.ema.parameters(), self.model.parameters()):
+                e.copy_(p)
+            for e, b in zip(self.ema.buffers(), self.model.buffers()):
+                e.copy_(b)
 
     def encode_prompts(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         """Caption embeddings and mask of ``prompts`` (see :class:`PromptEncoder`)."""

@@ -131,3 +131,40 @@ def nonfinite_consensus_worker(rank, world_size, period):
         opt.step()
         skipped.append(opt.nonfinite_steps_skipped)
     return {"skipped": skipped, "steps": [float(opt.state[p]["step"]) for p in params]}
+
+
+def meta_init_worker(rank, world_size):
+    """DiTModule under a mesh builds on meta; after sharding + materialization + on_materialized nothing is left
+    uninitialized: position embeddings equal a normal build's, PixArt tables have diffusers' scale."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_muon import shard_transformer
+    from lightning_muon.recipes.module import DiTModule
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=2,
+                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    out = {}
+    for arch, config in (("dit", None), ("pixart", pixart)):
+        reference = DiTModule(architecture=arch, model_config=config)
+        reference.configure_model()
+        module = DiTModule(architecture=arch, model_config=config)
+        module._device_mesh = mesh
+        module.configure_model()
+        was_meta = all(p.is_meta for p in module.model.parameters())
+        shard_transformer(module, mesh)
+        _materialize_distributed_module(module, torch.device("cpu"))
+        module.on_materialized()
+        tables = [p.full_tensor() for n, p in module.model.named_parameters() if n.endswith("scale_shift_table")]
+        out[arch] = {
+            "was_meta": was_meta,
+            "pos_embed_equal": torch.equal(module.model.pos_embed.pos_embed, reference.model.pos_embed.pos_embed),
+            "finite": all(torch.isfinite(p.full_tensor()).all() for p in module.model.parameters()),
+            "table_std": [float(t.std() * t.shape[-1] ** 0.5) for t in tables],
+            "ema_equal": all(
+                torch.equal(e.full_tensor(), p.full_tensor())
+                for e, p in zip(module.ema.parameters(), module.model.parameters())
+            ),  # fmt: skip
+        }
+    return out

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_workers import meta_init_worker
+from helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -67,3 +69,11 @@ def test_resume_continues_schedule_and_loss_curve(runs, resumed):
 def test_unsupported_setups_fail_clearly(tmp_path, extra, message):
     proc = fit(tmp_path, "bad", devices=2, epochs=1, extra=extra, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
+
+
+def test_meta_device_init_leaves_nothing_uninitialized():
+    for result in run_distributed(meta_init_worker, 2):
+        for arch, r in result.items():
+            assert r["was_meta"] and r["pos_embed_equal"] and r["finite"] and r["ema_equal"], arch
+        assert len(result["pixart"]["table_std"]) == 3  # the root table and one per block
+        assert all(0.5 < s < 1.5 for s in result["pixart"]["table_std"])
