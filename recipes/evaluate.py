@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--guidance-scale", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=250)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts-file", default=None, help="text-to-image: one prompt per line (sample i: i mod P)")
     parser.add_argument("--real", default="digits", help="'digits' or an image folder with the real images")
     parser.add_argument("--image-size", type=int, default=256, help="resolution of an image-folder reference")
     for name in ("dinov2", "inception", "clip", "hps"):
@@ -153,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from tqdm.auto import tqdm
 
+    prompts = None
+    if args.prompts_file:
+        prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    if "hpsv2" in args.metrics and not prompts:
+        parser.error("--metrics hpsv2 scores image-prompt pairs: pass --prompts-file.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics = build_metrics(args.metrics, args.dinov2_weights, args.inception_weights, args.clip_weights,
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         module = module_from_checkpoint(checkpoint, device)
         values, _ = score_generation(module, metrics, args.num_samples, args.num_classes, args.seed,
                                      args.num_inference_steps, args.guidance_scale, args.batch_size,
-                                     desc=ckpt.name)  # fmt: skip
+                                     desc=ckpt.name, prompts=prompts)  # fmt: skip
         rows.append({"run": run, "checkpoint": str(ckpt), "step": int(checkpoint.get("global_step", 0)), **values})
         _write_rows(csv_path, rows)  # after every checkpoint: an interrupted evaluation resumes where it stopped
     write_markdown(rows, out / "results.md")
