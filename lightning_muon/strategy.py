@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -159,6 +160,15 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        """Also destroy the process group: a gloo group left to interpreter shutdown can abort the process
+        ("terminate called without an active exception") after a successful fit. A later fit re-initializes it."""
+        super().teardown()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
     def _check_optimizers(self) -> None:
         for optimizer in self.optimizers:
