@@ -23,6 +23,7 @@ from lightning_muon.metrics.presets import build_metrics
 __all__ = [
     "GenerationEvaluation",
     "append_jsonl",
+    "check_generated_images",
     "flatten_metrics",
     "prepare_references",
     "sample_conditions",
@@ -35,6 +36,16 @@ log = logging.getLogger(__name__)
 def sample_conditions(indices: Tensor, num_classes: int, seed: int) -> tuple[Tensor, Tensor]:
     """Sample i has class ``i mod num_classes`` and noise seed ``seed + i``: the same on any number of ranks."""
     return indices % num_classes, seed + indices
+
+
+def check_generated_images(images: Tensor) -> None:
+    """Raise unless ``images`` are what the metrics take: uint8 ``(N, 1 or 3, H, W)``."""
+    if images.ndim != 4 or images.dtype != torch.uint8 or images.shape[1] not in (1, 3):
+        raise ValueError(
+            f"generate() returned {images.dtype} images of shape {tuple(images.shape)}; the generation metrics take "
+            "uint8 (N, 1 or 3, H, W). A model trained in a latent space must decode its samples: set vae_path "
+            "(DiTModule(vae_path=...), `model.vae_path` in the config) to the AutoencoderKL of the latents."
+        )
 
 
 def flatten_metrics(name: str, value: Tensor | dict[str, Tensor]) -> dict[str, float]:
@@ -65,17 +76,21 @@ def prepare_references(metrics: dict[str, Any], real_images: Any, cache_dir: Pat
                        batch_size: int) -> None:  # fmt: skip
     """Load or compute (once, cached in ``cache_dir``) the reference statistics of every metric that has none.
 
-    ``real_images()`` returns all real images as uint8; each rank feeds its share i ≡ rank (mod W).
+    ``real_images()`` returns the real images as an indexable set of uint8 images (a tensor, or a lazy dataset such
+    as :func:`~lightning_muon.metrics.images.folder_images`). Images are decoded only when a cache file is missing,
+    and then each rank decodes only its share i ≡ rank (mod W).
     """
     pending = {n: m for n, m in metrics.items() if getattr(m, "reference", True) is None}
     if not pending:
         return
+    from torch.utils.data import DataLoader, Subset
+
     rank, world = _world()
     images = real_images()
-    shard = images[rank::world]
+    share = Subset(images, range(rank, len(images), world))
     for name, metric in pending.items():
-        tag = f"{name}_{data_name}_{len(images)}.pt"
-        ensure_reference(metric, Path(cache_dir) / tag, lambda: shard.split(batch_size), progress=False)
+        path = Path(cache_dir) / f"{name}_{data_name}_{len(images)}.pt"
+        ensure_reference(metric, path, lambda: DataLoader(share, batch_size=batch_size), progress=False)
 
 
 @torch.no_grad()
@@ -157,6 +172,8 @@ class GenerationEvaluation(Callback):
         grid_size: images in the logged grid.
         seed: base noise seed.
         dinov2_weights / inception_weights / clip_weights / hps_weights: local weights for those metrics.
+        clip_model / hps_model: open_clip architectures of ``clip_weights`` / ``hps_weights`` (a name, or the path
+            of an open_clip model-config JSON file).
         prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
             (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
         real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
@@ -181,6 +198,8 @@ class GenerationEvaluation(Callback):
         inception_weights: str | None = None,
         clip_weights: str | None = None,
         hps_weights: str | None = None,
+        clip_model: str = "ViT-L-14-336",
+        hps_model: str = "ViT-H-14",
         prompts_file: str | None = None,
         real_images_dir: str | None = None,
         real_image_size: int = 512,
@@ -195,7 +214,8 @@ class GenerationEvaluation(Callback):
         self.num_inference_steps, self.guidance_scale, self.batch_size = num_inference_steps, guidance_scale, batch_size
         self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
         self.weights = dict(dinov2_weights=dinov2_weights, inception_weights=inception_weights,
-                            clip_weights=clip_weights, hps_weights=hps_weights)  # fmt: skip
+                            clip_weights=clip_weights, hps_weights=hps_weights, clip_model=clip_model,
+                            hps_model=hps_model)  # fmt: skip
         self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
         self.prompts: list[str] | None = None
         self.metrics: dict[str, Any] = {}
@@ -213,6 +233,15 @@ class GenerationEvaluation(Callback):
         self.metrics = build_metrics(self.metric_names, **self.weights)
         for metric in self.metrics.values():
             metric.to(pl_module.device)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A one-sample, one-step dry run of ``generate()`` (every rank: FSDP needs all of them) before the first
+        training step: a module whose samples the metrics cannot read fails now, not after thousands of steps.
+        (In ``setup`` the model does not exist yet: Lightning calls ``configure_model`` after the callbacks' setup.)"""
+        condition = [self.prompts[0]] if self.prompts else torch.zeros(1, dtype=torch.long)
+        images = pl_module.generate(condition, [self.seed], 1, 1.0, batch_size=1)
+        check_generated_images(images)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:

@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from lightning_muon.optim import PeriodicRowwiseMuon
 
-__all__ = ["BLOCK_MODULE_PATTERN", "MuonFSDPStrategy", "shard_transformer"]
+__all__ = ["BLOCK_MODULE_PATTERN", "MuonFSDPStrategy", "default_mp_policy", "shard_transformer"]
 
 #: Transformer blocks, each sharded as its own FSDP2 unit (diffusers ``transformer_blocks.i``, timm ``blocks.i``).
 BLOCK_MODULE_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+$"
@@ -69,9 +69,28 @@ def shard_transformer(
                 fully_shard(sub, **kwargs)
         fully_shard(block, **kwargs)
     for child in module.children():
+        if _is_frozen(child):
+            continue  # a frozen encoder stays replicated: no FSDP unit, no hooks that decode()/encode() would skip
         if any(not isinstance(p, DTensor) for p in child.parameters()):
             fully_shard(child, **kwargs)
     return module
+
+
+def _is_frozen(module: nn.Module) -> bool:
+    """No parameter trains and no transformer block inside (an EMA copy has blocks and is sharded like the model)."""
+    params = list(module.parameters())
+    has_blocks = any(re.search(BLOCK_MODULE_PATTERN, name) for name, _ in module.named_modules())
+    return bool(params) and not has_blocks and not any(p.requires_grad for p in params)
+
+
+def default_mp_policy(precision: str | None) -> Any:
+    """torchtitan's choice: bf16 parameters and activations, fp32 gradient reduction, when training in bf16;
+    otherwise FSDP2's default (no casting)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision is not None and str(precision).startswith("bf16"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def _has_meta_tensors(module: nn.Module) -> bool:
@@ -89,6 +108,8 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         hsdp: shard within a node and replicate across nodes (mesh ``(num_nodes, devices)``) instead of sharding
             over all ranks.
         mp_policy: ``MixedPrecisionPolicy`` for the automatic sharding (ignored when ``configure_model`` shards).
+            Default: bf16 params with fp32 gradient reduction when the trainer precision is bf16
+            (:func:`default_mp_policy`), no casting otherwise.
         reshard_after_forward: see :func:`shard_transformer`.
         save_distributed_checkpoint: write torch.distributed.checkpoint directories (resumable on any device
             count); ``False`` gathers one full checkpoint file on rank 0.
@@ -145,7 +166,8 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                 "torch.distributed.fsdp.fully_shard in configure_model(), or let the strategy shard the model."
             )
         if not _is_sharded(self.model):
-            shard_transformer(self.model, self.shard_mesh, self.mp_policy, self.reshard_after_forward)
+            mp_policy = self.mp_policy or default_mp_policy(getattr(self.precision_plugin, "precision", None))
+            shard_transformer(self.model, self.shard_mesh, mp_policy, self.reshard_after_forward)
         # a model built on the meta device (configure_model) is materialized shard by shard, after sharding
         materialize = _has_meta_tensors(self.model)
         _materialize_distributed_module(self.model, self.root_device)

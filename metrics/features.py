@@ -157,8 +157,23 @@ class InceptionFeatures(FeatureExtractor):
         return self.model(x).reshape(len(x), -1)
 
 
+def open_clip_model_name(model_name: str | os.PathLike) -> str:
+    """An open_clip architecture name; a path to an open_clip model-config JSON file is registered under its stem
+    (a custom or shrunken architecture), so it can be named in YAML configs and subprocesses alike."""
+    import open_clip
+
+    path = Path(model_name)
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise FileNotFoundError(f"open_clip model config {str(path)!r} does not exist.")
+        open_clip.add_model_config(path)
+        return path.stem
+    return str(model_name)
+
+
 def load_open_clip(model_name: str, weights: str | os.PathLike) -> nn.Module:
-    """An open_clip model of architecture ``model_name`` with weights from a local checkpoint file.
+    """An open_clip model of architecture ``model_name`` (a name or a model-config JSON path) with weights from a
+    local checkpoint file.
 
     Accepts plain state dicts and training checkpoints ``{"state_dict": ...}`` (HPS v2.1), ``module.`` prefixes removed.
     """
@@ -170,7 +185,7 @@ def load_open_clip(model_name: str, weights: str | os.PathLike) -> nn.Module:
             f"open_clip checkpoint {str(path)!r} for {model_name} does not exist. Pass `weights=` a local checkpoint "
             "file (this library never downloads)."
         )
-    model = open_clip.create_model(model_name, pretrained=None)
+    model = open_clip.create_model(open_clip_model_name(model_name), pretrained=None)
     state = torch.load(path, map_location="cpu", weights_only=True)
     state = state.get("state_dict", state)
     model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
@@ -188,7 +203,7 @@ class ClipFeatures(FeatureExtractor):
     def __init__(self, weights: str | os.PathLike, model_name: str = "ViT-L-14-336", **kwargs) -> None:
         super().__init__(**kwargs)
         self.model = load_open_clip(model_name, weights)
-        self.name = f"clip-{model_name}"
+        self.name = f"clip-{open_clip_model_name(model_name)}"
         self.image_size = clip_image_size(self.model)
         self.mean, self.std = clip_mean_std(self.model)
         self.num_features = self.model.visual.output_dim

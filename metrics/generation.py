@@ -24,6 +24,7 @@ from lightning_muon.metrics.features import (
     clip_image_size,
     clip_mean_std,
     load_open_clip,
+    open_clip_model_name,
     resize_normalize,
     to_unit_float,
 )
@@ -217,7 +218,7 @@ class HPSv2Score(Metric):
         import open_clip
 
         self.model = load_open_clip(model_name, weights)
-        self.tokenizer = open_clip.get_tokenizer(model_name)
+        self.tokenizer = open_clip.get_tokenizer(open_clip_model_name(model_name))
         self.image_size = clip_image_size(self.model)
         self.mean, self.std = clip_mean_std(self.model)
         self.batch_size = batch_size

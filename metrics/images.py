@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["IMAGE_SUFFIXES", "ImageFolder", "folder_images"]
+__all__ = ["IMAGE_SUFFIXES", "FolderImages", "ImageFolder", "folder_images"]
 
 log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -78,7 +78,20 @@ class ImageFolder(Dataset):
         return item
 
 
-def folder_images(root: str | os.PathLike, size: int) -> torch.Tensor:
-    """Every image of an :class:`ImageFolder` as uint8 ``(N, 3, size, size)`` (a reference set for the metrics)."""
-    folder = ImageFolder(root, size)
-    return torch.stack([((folder[i]["images"] + 1) * 127.5).round().to(torch.uint8) for i in range(len(folder))])
+class FolderImages(Dataset):
+    """The images of an :class:`ImageFolder` as uint8 ``(3, size, size)``, read lazily (a metric reference set)."""
+
+    def __init__(self, root: str | os.PathLike, size: int) -> None:
+        self.folder = ImageFolder(root, size)
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return ((self.folder[i]["images"] + 1) * 127.5).round().to(torch.uint8)
+
+
+def folder_images(root: str | os.PathLike, size: int) -> FolderImages:
+    """Every image of an :class:`ImageFolder` as a lazy dataset of uint8 ``(3, size, size)`` tensors; nothing is
+    decoded until indexed, so a cached reference never reads the folder."""
+    return FolderImages(root, size)

@@ -34,8 +34,13 @@ def build_metrics(
     inception_weights: str | None = None,
     clip_weights: str | None = None,
     hps_weights: str | None = None,
+    clip_model: str = "ViT-L-14-336",
+    hps_model: str = "ViT-H-14",
 ) -> dict[str, Metric]:
     """Construct the named metrics (extractors shared where they are the same network).
+
+    ``clip_model`` / ``hps_model`` are the open_clip architectures of ``clip_weights`` / ``hps_weights`` (a name, or
+    a model-config JSON path for a custom architecture).
 
     Raises:
         ValueError: an unknown name, or a name whose weights argument is missing.
@@ -57,7 +62,7 @@ def build_metrics(
                 "digits": lambda: DigitsFeatures(),
                 "dinov2": lambda: DinoV2Features(dinov2_weights),
                 "inception": lambda: InceptionFeatures(inception_weights),
-                "clip": lambda: ClipFeatures(clip_weights),
+                "clip": lambda: ClipFeatures(clip_weights, clip_model),
             }[kind]()
         return cache[kind]
 
@@ -68,6 +73,6 @@ def build_metrics(
         "prdc_dinov2": lambda: PrecisionRecallDensityCoverage(extractor("dinov2")),
         "fid": lambda: FrechetDistance(extractor("inception")),
         "cmmd": lambda: MaximumMeanDiscrepancy(extractor("clip")),
-        "hpsv2": lambda: HPSv2Score(hps_weights),
+        "hpsv2": lambda: HPSv2Score(hps_weights, hps_model),
     }
     return {name: factories[name]() for name in names}

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_muon.metrics.images import ImageFolder
+from lightning_muon.recipes.latents import GlobalBatchSampler, LatentShards, write_latent_shard, write_manifest
 
 __all__ = [
     "DigitsDataModule",
@@ -21,6 +22,7 @@ __all__ = [
     "ImageFolderDataModule",
     "LatentShardsDataModule",
     "write_latent_shard",
+    "write_manifest",
 ]
 
 
@@ -139,38 +141,53 @@ class ImageFolderDataModule(L.LightningDataModule):
         return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
 
 
-def write_latent_shard(path: str | Path, latents: torch.Tensor, **conditions: torch.Tensor) -> None:
-    """Write one safetensors shard: ``latents`` (N, C, h, w) and per-sample conditions (``labels`` or
-    ``caption_embeds`` / ``caption_mask``). Written to a temporary name, then renamed."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"latents": latents.contiguous(), **{k: v.contiguous() for k, v in conditions.items()}}, str(tmp))
-    tmp.replace(path)
-
-
 class LatentShardsDataModule(L.LightningDataModule):
-    """Pre-encoded latents (and caption embeddings or labels) from ``*.safetensors`` shards in ``root``, for
-    paper-scale runs where the VAE and text encoder are not run during training (see :func:`write_latent_shard`)."""
+    """Pre-encoded latents (and caption embeddings or labels) streamed from a latent directory (see
+    :mod:`lightning_muon.recipes.latents`): each rank reads only its rows of each global batch, the position in the
+    epoch is checkpointed (``StatefulDataLoader``) and resumes exactly, also on another number of ranks.
 
-    def __init__(self, root: str, batch_size: int = 32, num_workers: int = 2) -> None:
+    Args:
+        root: the training latent directory (shards + ``manifest.json``).
+        batch_size: samples per rank and step.
+        num_workers: reader processes per rank.
+        val_root: a held-out latent directory for the validation loss, or
+        val_fraction: the fraction of ``root`` held out instead (a fixed seeded choice of samples).
+        seed: shuffling seed (epoch e uses ``seed + e``).
+    """
+
+    def __init__(self, root: str, batch_size: int = 32, num_workers: int = 2, val_root: str | None = None,
+                 val_fraction: float = 0.0, seed: int = 0) -> None:  # fmt: skip
         super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
+        if val_root and val_fraction:
+            raise ValueError("Pass val_root or val_fraction, not both.")
         self.root, self.batch_size, self.num_workers = Path(root), batch_size, num_workers
+        self.val_root, self.val_fraction, self.seed = val_root, val_fraction, seed
 
     def setup(self, stage: str | None = None) -> None:
-        from safetensors.torch import load_file
+        self.train_set = LatentShards(self.root)  # validates the manifest and every shard header
+        ids = torch.arange(len(self.train_set))
+        self.val_set, self.val_ids = None, None
+        if self.val_root:
+            self.val_set = LatentShards(self.val_root)
+            self.val_ids = torch.arange(len(self.val_set))
+        elif self.val_fraction:
+            held = torch.randperm(len(ids), generator=torch.Generator().manual_seed(12345))
+            n_val = max(1, round(self.val_fraction * len(ids)))
+            self.val_set, self.val_ids = self.train_set, held[:n_val].sort().values
+            ids = held[n_val:].sort().values
+        self.train_ids = ids
 
-        shards = sorted(self.root.glob("*.safetensors"))
-        if not shards:
-            raise FileNotFoundError(f"No *.safetensors latent shards in {self.root}; write them with "
-                                    "lightning_muon.recipes.data.write_latent_shard.")  # fmt: skip
-        parts = [load_file(str(s)) for s in shards]
-        keys = set(parts[0])
-        for shard, part in zip(shards, parts):
-            if set(part) != keys:
-                raise ValueError(f"Shard {shard} has keys {sorted(part)}, the first shard {sorted(keys)}.")
-        self.train_set = _DictDataset(**{k: torch.cat([p[k] for p in parts]) for k in keys})
+    def _loader(self, dataset: LatentShards, ids: torch.Tensor, shuffle: bool) -> DataLoader:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        sampler = GlobalBatchSampler(ids, self.batch_size, shuffle=shuffle, seed=self.seed)
+        return StatefulDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
+                                  persistent_workers=self.num_workers > 0)  # fmt: skip
 
     def train_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return self._loader(self.train_set, self.train_ids, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        return [] if self.val_set is None else self._loader(self.val_set, self.val_ids, shuffle=False)

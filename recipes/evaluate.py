@@ -4,7 +4,10 @@ and one PNG per metric (metric vs training step, a line per run) — the paper's
     lightning-muon evaluate lightning_logs/version_0 lightning_logs/version_1 --out eval --metrics fd_digits prdc_digits
 
 Reads single-file Lightning checkpoints and the torch.distributed.checkpoint directories that ``muon_fsdp`` /
-``ModelParallelStrategy`` write (converted in this one process). Rerunning skips checkpoints already in the CSV.
+``ModelParallelStrategy`` write, and only the sampling weights in them (EMA when present; never the optimizer
+state). Architecture, classes and the VAE / text-encoder paths come from the checkpoint's hyperparameters (flags
+override). Under ``torchrun --nproc-per-node N`` generation is sharded over the N ranks (sample i is the same on
+any number). Rerunning skips checkpoints already in the CSV.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import argparse
 import csv
 import glob
 import inspect
+import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +27,11 @@ from lightning_muon.callbacks.generation import prepare_references, score_genera
 from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.module import DiTModule, build_transformer
 
-__all__ = ["find_checkpoints", "load_checkpoint", "main"]
+__all__ = ["checkpoint_meta", "find_checkpoints", "load_generator", "main", "module_from_hparams"]
+
+log = logging.getLogger(__name__)
 
 
 def _is_distributed_checkpoint(path: Path) -> bool:
@@ -48,35 +53,53 @@ def find_checkpoints(run: str) -> list[Path]:
     return found
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A Lightning checkpoint as a dict with ``state_dict``, ``hyper_parameters`` and ``global_step``.
-
-    Distributed checkpoints are converted with ``dcp_to_torch_save`` (no process group needed); the rest of their
-    content comes from the ``meta.pt`` file Lightning writes beside the shards. ``torch.load(weights_only=True)``.
-    """
-    if not _is_distributed_checkpoint(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(path), f"{tmp}/full.pt")
-        state = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)
-    meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-    return {**meta, "state_dict": state["state_dict"]}
+def checkpoint_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``hyper_parameters``, ``global_step`` and the rest, without its tensors: ``meta.pt`` beside a
+    distributed checkpoint's shards, or the single file memory-mapped (``torch.load(weights_only=True)``)."""
+    if _is_distributed_checkpoint(path):
+        return torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
 
 
-def module_from_checkpoint(checkpoint: dict[str, Any], device: torch.device) -> DiTModule:
-    hparams = checkpoint.get("hyper_parameters")
+def module_from_hparams(hparams: dict[str, Any] | None) -> DiTModule:
+    """A :class:`DiTModule` for sampling from saved hyperparameters: the network on the meta device (no EMA copy:
+    the weights loaded into it are the EMA's), frozen VAE / text encoder loaded from their saved paths."""
     if not hparams:
         raise ValueError("The checkpoint has no hyper_parameters: it was not written by DiTModule.")
     accepted = inspect.signature(DiTModule.__init__).parameters
-    module = DiTModule(**{k: v for k, v in hparams.items() if k in accepted})  # LightningCLI adds _instantiator
-    module.configure_model()
-    missing, unexpected = module.load_state_dict(checkpoint["state_dict"], strict=False)
-    if unexpected or [k for k in missing if not k.startswith("vae.")]:
-        raise ValueError(f"Checkpoint does not match its hyper-parameters: missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}.")  # fmt: skip
-    return module.to(device).eval()
+    unknown = sorted(k for k in hparams if k not in accepted and not k.startswith("_"))  # LightningCLI adds _keys
+    if unknown:
+        log.warning("Ignoring checkpoint hyper-parameters that DiTModule does not take: %s", ", ".join(unknown))
+    module = DiTModule(**{**{k: v for k, v in hparams.items() if k in accepted}, "ema_decay": 0.0})
+    with torch.device("meta"):
+        module.model = build_transformer(module.hparams.architecture, module.model_config)
+    module.configure_model()  # the network exists: this loads only the frozen models
+    return module
+
+
+def load_generator(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[DiTModule, dict]:
+    """The sampling network of a checkpoint — its EMA weights when it has them, else the trained ones — and the
+    checkpoint's metadata. Only those weights are read (from a distributed checkpoint with a partial
+    ``torch.distributed.checkpoint.load``), never the optimizer state or the other copy, directly in ``dtype``."""
+    meta = checkpoint_meta(path)
+    hparams = meta.get("hyper_parameters") or {}
+    module = module_from_hparams(hparams)
+    prefix = "ema." if hparams.get("ema_decay", 0) > 0 else "model."
+    net = module.model.to(dtype).to_empty(device=device)
+    module.on_materialized()  # buffers that are not in the state dict (sin-cos position tables)
+    target = net.state_dict()
+    try:
+        if _is_distributed_checkpoint(path):
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load({"state_dict": {prefix + k: v for k, v in target.items()}}, checkpoint_id=str(path))
+        else:
+            saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
+            net.load_state_dict({k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)})
+    except (RuntimeError, KeyError) as err:
+        raise ValueError(f"Checkpoint {path} does not match its hyper-parameters ({prefix}* weights): {err}") from err
+    return module.to(device).eval(), meta
 
 
 def _read_rows(path: Path) -> list[dict[str, str]]:
@@ -130,6 +153,20 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return written
 
 
+def _init_distributed(device: str | None) -> torch.device:
+    """Under torchrun (``WORLD_SIZE`` > 1) join the process group — NCCL on GPUs, gloo on CPUs — so generation and
+    the metrics are sharded over ranks as in training; the device of this rank."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and device in (None, "cuda")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(device or "cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning-muon evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -137,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="eval", help="output directory (results.csv, results.md, <metric>.png)")
     parser.add_argument("--metrics", nargs="+", default=["fd_digits", "prdc_digits"], choices=sorted(METRIC_NAMES))
     parser.add_argument("--num-samples", type=int, default=1000)
-    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--num-classes", type=int, default=None, help="default: the checkpoint's num_classes")
     parser.add_argument("--num-inference-steps", type=int, default=25)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
     parser.add_argument("--batch-size", type=int, default=250)
@@ -149,9 +186,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(
             f"--{name}-weights", default=None, help=f"local {name} weights for the metrics needing them"
         )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--clip-model", default="ViT-L-14-336", help="open_clip architecture (or model-config JSON)")
+    parser.add_argument("--hps-model", default="ViT-H-14", help="open_clip architecture (or model-config JSON)")
+    parser.add_argument("--device", default=None, help="default: CUDA (this rank's GPU under torchrun), else cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="weights of the sampling network; auto: bf16 on CUDA, fp32 on CPU")  # fmt: skip
     args = parser.parse_args(argv)
 
+    import torch.distributed as dist
     from tqdm.auto import tqdm
 
     prompts = None
@@ -159,11 +201,14 @@ def main(argv: list[str] | None = None) -> None:
         prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     if "hpsv2" in args.metrics and not prompts:
         parser.error("--metrics hpsv2 scores image-prompt pairs: pass --prompts-file.")
+    device = _init_distributed(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics = build_metrics(args.metrics, args.dinov2_weights, args.inception_weights, args.clip_weights,
-                            args.hps_weights)  # fmt: skip
-    device = torch.device(args.device)
+                            args.hps_weights, args.clip_model, args.hps_model)  # fmt: skip
     for metric in metrics.values():
         metric.to(device)
     if args.real == "digits":
@@ -180,19 +225,25 @@ def main(argv: list[str] | None = None) -> None:
     todo = [(run, ckpt) for run, ckpt in todo if (run, str(ckpt)) not in done]
     if not todo and not rows:
         raise SystemExit(f"No checkpoints found under {args.runs}.")
-    for run, ckpt in tqdm(todo, desc="checkpoints", unit="ckpt"):
-        checkpoint = load_checkpoint(ckpt)
-        module = module_from_checkpoint(checkpoint, device)
-        values, _ = score_generation(module, metrics, args.num_samples, args.num_classes, args.seed,
+    for run, ckpt in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not rank0):
+        module, meta = load_generator(ckpt, device, dtype)
+        hparams = meta.get("hyper_parameters") or {}
+        num_classes = args.num_classes or hparams.get("num_classes", 10)
+        values, _ = score_generation(module, metrics, args.num_samples, num_classes, args.seed,
                                      args.num_inference_steps, args.guidance_scale, args.batch_size,
                                      desc=ckpt.name, prompts=prompts)  # fmt: skip
-        rows.append({"run": run, "checkpoint": str(ckpt), "step": int(checkpoint.get("global_step", 0)), **values})
-        _write_rows(csv_path, rows)  # after every checkpoint: an interrupted evaluation resumes where it stopped
-    write_markdown(rows, out / "results.md")
-    for path in plot(rows, out):
-        print(path)
-    print(csv_path)
-    print(out / "results.md")
+        rows.append({"run": run, "checkpoint": str(ckpt), "step": int(meta.get("global_step", 0)), **values})
+        del module
+        if rank0:
+            _write_rows(csv_path, rows)  # after every checkpoint: an interrupted evaluation resumes where it stopped
+    if rank0:
+        write_markdown(rows, out / "results.md")
+        for path in plot(rows, out):
+            print(path)
+        print(csv_path)
+        print(out / "results.md")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ __all__ = ["OPTIMIZERS", "DiTModule", "PromptEncoder", "build_transformer", "log
 OPTIMIZERS = ("adamw", "muon", "periodic_muon")
 ARCHITECTURES = ("dit", "pixart")
 OBJECTIVES = ("flow", "ddpm")
+FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 TINY_DIT = dict(num_attention_heads=4, attention_head_dim=32, in_channels=1, num_layers=4, sample_size=8,
                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
@@ -75,7 +76,7 @@ class PromptEncoder(nn.Module):
         tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
                                 return_tensors="pt").to(device)  # fmt: skip
         embeds = self.encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
-        return {"caption_embeds": embeds, "caption_mask": tokens.attention_mask}
+        return {"caption_embeds": embeds.float(), "caption_mask": tokens.attention_mask}
 
     def train(self, mode: bool = True) -> PromptEncoder:
         return super().train(False)  # frozen: no dropout whatever the parent does
@@ -106,6 +107,8 @@ class DiTModule(L.LightningModule):
             ``"caption"`` strings and :meth:`generate` with prompts are encoded with it (frozen).
         max_caption_length: tokens per caption.
         val_timesteps: points of the fixed timestep grid of the validation loss.
+        frozen_dtype: dtype of the frozen VAE and text encoder: ``"auto"`` (bf16 on CUDA, fp32 on CPU),
+            ``"bfloat16"`` or ``"float32"``. They are replicated on every rank, outside FSDP and checkpoints.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class DiTModule(L.LightningModule):
         text_encoder_path: str | None = None,
         max_caption_length: int = 120,
         val_timesteps: int = 8,
+        frozen_dtype: str = "auto",
     ) -> None:
         super().__init__()
         for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("objective", objective, OBJECTIVES),
@@ -143,11 +147,14 @@ class DiTModule(L.LightningModule):
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
         if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"cfg_dropout and ema_decay must be in [0, 1), got {cfg_dropout} and {ema_decay}.")
+        if frozen_dtype not in FROZEN_DTYPES:
+            raise ValueError(f"frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}.")
         self.save_hyperparameters()
         self.model: nn.Module | None = None
         self.ema: nn.Module | None = None
-        self.vae = None
-        self.text_encoder: PromptEncoder | None = None
+        # Frozen models (VAE, text encoder) live in a plain dict, not as registered submodules: they are no FSDP
+        # units, never in state_dict() or checkpoints (reloaded from their paths), never passed to the optimizer.
+        self._frozen: dict[str, nn.Module] = {}
 
     # ------------------------------------------------------------------------------------------------- model
     @property
@@ -161,19 +168,43 @@ class DiTModule(L.LightningModule):
         device: no rank ever holds the full model; the strategy shards it, materializes the shards and calls
         :meth:`on_materialized`.
         """
-        if self.model is not None:
-            return
-        meta = self._device_mesh is not None
-        with torch.device("meta") if meta else contextlib.nullcontext():
-            self.model = build_transformer(self.hparams.architecture, self.model_config)
-            if self.hparams.ema_decay > 0:
-                self.ema = copy.deepcopy(self.model).requires_grad_(False)
-        if self.hparams.vae_path:
+        if self.model is None:
+            meta = self._device_mesh is not None
+            with torch.device("meta") if meta else contextlib.nullcontext():
+                self.model = build_transformer(self.hparams.architecture, self.model_config)
+                if self.hparams.ema_decay > 0:
+                    self.ema = copy.deepcopy(self.model).requires_grad_(False)
+        if self.hparams.vae_path and "vae" not in self._frozen:
             from diffusers import AutoencoderKL
 
-            self.vae = _load_local(AutoencoderKL, self.hparams.vae_path, "vae_path").requires_grad_(False)
-        if self.hparams.text_encoder_path:
-            self.text_encoder = PromptEncoder(self.hparams.text_encoder_path, self.hparams.max_caption_length)
+            vae = _load_local(AutoencoderKL, self.hparams.vae_path, "vae_path")
+            self._frozen["vae"] = vae.eval().requires_grad_(False)
+        if self.hparams.text_encoder_path and "text_encoder" not in self._frozen:
+            encoder = PromptEncoder(self.hparams.text_encoder_path, self.hparams.max_caption_length)
+            self._frozen["text_encoder"] = encoder
+
+    def _frozen_model(self, name: str) -> nn.Module | None:
+        """A frozen model on this module's device in ``frozen_dtype`` (moved on first use after a device change)."""
+        model = self._frozen.get(name)
+        if model is None:
+            return None
+        dtype = FROZEN_DTYPES[self.hparams.frozen_dtype] or (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        )
+        p = next(model.parameters())
+        if p.device != self.device or p.dtype != dtype:
+            model.to(device=self.device, dtype=dtype)
+        return model
+
+    @property
+    def vae(self) -> nn.Module | None:
+        """The frozen ``AutoencoderKL`` (``vae_path``), or None."""
+        return self._frozen_model("vae")
+
+    @property
+    def text_encoder(self) -> PromptEncoder | None:
+        """The frozen :class:`PromptEncoder` (``text_encoder_path``), or None."""
+        return self._frozen_model("text_encoder")
 
     @torch.no_grad()
     def on_materialized(self) -> None:
@@ -242,11 +273,11 @@ class DiTModule(L.LightningModule):
     def _clean(self, batch: dict[str, Tensor]) -> Tensor:
         if "latents" in batch:
             return batch["latents"]
-        x = batch["images"]
-        if self.vae is None:
+        x, vae = batch["images"], self.vae
+        if vae is None:
             return x
         with torch.no_grad():
-            return self.vae.encode(x).latent_dist.sample() * self.vae.config.scaling_factor
+            return vae.encode(x.to(vae.dtype)).latent_dist.sample().float() * vae.config.scaling_factor
 
     # --------------------------------------------------------------------------------------------- objective
     def loss(self, net: nn.Module, x0: Tensor, cond: dict, t: Tensor, noise: Tensor) -> Tensor:
@@ -384,6 +415,6 @@ class DiTModule(L.LightningModule):
                 pred_null = self._forward(net, x, timestep, null)
                 pred = pred_null + guidance * (pred - pred_null)
             x = scheduler.step(pred, t, x).prev_sample
-        if self.vae is not None:
-            x = self.vae.decode(x / self.vae.config.scaling_factor).sample
+        if (vae := self.vae) is not None:
+            x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
         return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning_muon.callbacks import GenerationEvaluation, OptimizerTelemetry
 from lightning_muon.metrics import DigitsFeatures
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.evaluate import find_checkpoints, load_checkpoint
+from lightning_muon.recipes.evaluate import checkpoint_meta, find_checkpoints, load_generator
 from lightning_muon.recipes.evaluate import main as evaluate
 from lightning_muon.recipes.module import DiTModule
 
@@ -128,8 +128,14 @@ def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (ckpt,) = find_checkpoints(str(tmp_path / "lightning_logs"))
     assert ckpt.is_dir()  # a torch.distributed.checkpoint directory
-    loaded = load_checkpoint(ckpt)
-    assert loaded["global_step"] == 10 and "model.pos_embed.proj.weight" in loaded["state_dict"]
+    assert checkpoint_meta(ckpt)["global_step"] == 10
+    module, _ = load_generator(ckpt, torch.device("cpu"))  # only the EMA weights, into the sampling network
+    import torch.distributed.checkpoint as dcp
+
+    key = "transformer_blocks.0.attn1.to_q.weight"
+    ema, trained = torch.empty_like(module.model.state_dict()[key]), torch.empty_like(module.model.state_dict()[key])
+    dcp.load({"state_dict": {f"ema.{key}": ema, f"model.{key}": trained}}, checkpoint_id=str(ckpt))
+    assert module.ema is None and torch.equal(module.model.state_dict()[key], ema) and not torch.equal(ema, trained)
     out = tmp_path / "eval"
     evaluate([str(tmp_path / "lightning_logs"), "--out", str(out), "--num-samples", "32", "--num-inference-steps",
               "2", "--batch-size", "32"])  # fmt: skip
