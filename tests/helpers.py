@@ -136,3 +136,82 @@ def tiny_open_clip_config(tmp_path):
     path = tmp_path / "tiny_clip.pt"
     torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, path)
     return model, path
+
+
+def random_inception_state_dict():
+    """torch-fidelity's FID InceptionV3 layer layout with random weights (what its weights file holds)."""
+    from torch import nn
+    from torch_fidelity import feature_extractor_inceptionv3 as tf
+
+    torch.manual_seed(0)
+    layers = {
+        "Conv2d_1a_3x3": tf.BasicConv2d(3, 32, kernel_size=3, stride=2),
+        "Conv2d_2a_3x3": tf.BasicConv2d(32, 32, kernel_size=3),
+        "Conv2d_2b_3x3": tf.BasicConv2d(32, 64, kernel_size=3, padding=1),
+        "Conv2d_3b_1x1": tf.BasicConv2d(64, 80, kernel_size=1),
+        "Conv2d_4a_3x3": tf.BasicConv2d(80, 192, kernel_size=3),
+        "Mixed_5b": tf.InceptionA(192, pool_features=32),
+        "Mixed_5c": tf.InceptionA(256, pool_features=64),
+        "Mixed_5d": tf.InceptionA(288, pool_features=64),
+        "Mixed_6a": tf.InceptionB(288),
+        "Mixed_6b": tf.InceptionC(768, channels_7x7=128),
+        "Mixed_6c": tf.InceptionC(768, channels_7x7=160),
+        "Mixed_6d": tf.InceptionC(768, channels_7x7=160),
+        "Mixed_6e": tf.InceptionC(768, channels_7x7=192),
+        "Mixed_7a": tf.InceptionD(768),
+        "Mixed_7b": tf.InceptionE_1(1280),
+        "Mixed_7c": tf.InceptionE_2(2048),
+        "fc": nn.Linear(2048, 1008),
+    }
+    return nn.ModuleDict(layers).state_dict()
+
+
+def tiny_vae(path, latent_channels: int = 4):
+    """A random-init ``AutoencoderKL`` (downsampling 2x) saved with save_pretrained."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 8),
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=16,
+    ).save_pretrained(path)
+    return path
+
+
+def tiny_dinov2(path):
+    """A random-init DINOv2 (hidden 32) saved with save_pretrained."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                          patch_size=14, image_size=56)  # fmt: skip
+    Dinov2Model(config).save_pretrained(path)
+    return path
+
+
+def image_folder(root, n: int, size: int = 20, captions: list[str] | None = None, classes: int = 2):
+    """``n`` small synthetic RGB images: a captions.jsonl folder (``captions`` cycled) or ``classes`` sub-folders."""
+    import json
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    root.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        pixels = (torch.rand(size, size, 3, generator=g) * 255).to(torch.uint8).numpy()
+        if captions:
+            Image.fromarray(pixels).save(root / f"{i}.png")
+            lines.append(json.dumps({"file": f"{i}.png", "caption": captions[i % len(captions)]}))
+        else:
+            (root / f"c{i % classes}").mkdir(exist_ok=True)
+            Image.fromarray(pixels).save(root / f"c{i % classes}" / f"{i}.png")
+    if captions:
+        (root / "captions.jsonl").write_text("\n".join(lines))
+    return root

@@ -7,6 +7,7 @@ from helpers import (
     digits_images,
     digits_metrics,
     metric_values,
+    random_inception_state_dict,
     run_distributed,
     tiny_open_clip_config,
 )
@@ -160,38 +161,10 @@ def test_dinov2_missing_weights_names_the_argument(tmp_path):
         DinoV2Features(tmp_path / "nope")
 
 
-def _random_inception_state_dict():
-    """torch-fidelity's FID InceptionV3 layer layout with random weights (what its weights file holds)."""
-    from torch import nn
-    from torch_fidelity import feature_extractor_inceptionv3 as tf
-
-    torch.manual_seed(0)
-    layers = {
-        "Conv2d_1a_3x3": tf.BasicConv2d(3, 32, kernel_size=3, stride=2),
-        "Conv2d_2a_3x3": tf.BasicConv2d(32, 32, kernel_size=3),
-        "Conv2d_2b_3x3": tf.BasicConv2d(32, 64, kernel_size=3, padding=1),
-        "Conv2d_3b_1x1": tf.BasicConv2d(64, 80, kernel_size=1),
-        "Conv2d_4a_3x3": tf.BasicConv2d(80, 192, kernel_size=3),
-        "Mixed_5b": tf.InceptionA(192, pool_features=32),
-        "Mixed_5c": tf.InceptionA(256, pool_features=64),
-        "Mixed_5d": tf.InceptionA(288, pool_features=64),
-        "Mixed_6a": tf.InceptionB(288),
-        "Mixed_6b": tf.InceptionC(768, channels_7x7=128),
-        "Mixed_6c": tf.InceptionC(768, channels_7x7=160),
-        "Mixed_6d": tf.InceptionC(768, channels_7x7=160),
-        "Mixed_6e": tf.InceptionC(768, channels_7x7=192),
-        "Mixed_7a": tf.InceptionD(768),
-        "Mixed_7b": tf.InceptionE_1(1280),
-        "Mixed_7c": tf.InceptionE_2(2048),
-        "fc": nn.Linear(2048, 1008),
-    }
-    return nn.ModuleDict(layers).state_dict()
-
-
 @pytest.mark.slow
 def test_inception_from_local_weights_file(tmp_path):
     path = tmp_path / "pt_inception-2015-12-05-6726825d.pth"
-    torch.save(_random_inception_state_dict(), path)
+    torch.save(random_inception_state_dict(), path)
     extractor = InceptionFeatures(path, batch_size=2)
     out = extractor(torch.rand(3, 3, 32, 32))
     assert out.shape == (3, 2048) and out.dtype == torch.float32 and torch.isfinite(out).all()
