@@ -1,11 +1,23 @@
-"""Per-GPU memory of a config's model states under muon_fsdp, computed from the real parameter shapes.
+"""Per-GPU memory of a config under muon_fsdp: training state from the real parameter shapes, plus what else sits on
+every GPU (frozen encoders, evaluation networks) and an activation estimate.
 
-    python -m lightning_muon.recipes.memory recipes/configs/t2i_*.yaml
+    python -m lightning_muon.recipes.memory recipes/configs/dit_xl2_imagenet256.yaml
+    python -m lightning_muon.recipes.memory recipes/configs/t2i_base.yaml+recipes/configs/t2i_15b.yaml
 
-Counts fp32 parameters, fp32 gradients and optimizer state (Muon: one momentum matrix; AdamW: two moments), all
-sharded over every GPU, plus the largest unsharded bf16 block twice (FSDP2 prefetches the next block while one
-runs) and the full-matrix NS5 working set of a refresh in gather mode (one bucket of bf16 momentum and its NS5
-temporaries). Activations depend on batch size and checkpointing and are not included.
+(``a.yaml+b.yaml`` stacks configs like ``--config a.yaml --config b.yaml``.) What is counted, per GPU:
+
+- **states**, sharded over all GPUs: fp32 parameters, fp32 gradients, the EMA copy (fp32), optimizer state (Muon: one
+  momentum per matrix; AdamW: two moments).
+- **FSDP**: the unsharded bf16 parameters of two blocks (FSDP2 prefetches the next block) and one block's unsharded
+  fp32 gradient before its reduce-scatter.
+- **refresh**: the NS5 working set of a gather refresh: one bucket of bf16 momentum (``bucket_mb``) plus NS5
+  temporaries of the largest matrix (X, A = XXᵀ, B, in bf16).
+- **frozen**: the VAE and text encoder, replicated in bf16 (nominal sizes of the published checkpoints, below).
+- **eval**: the metric networks of ``GenerationEvaluation``, replicated in fp32 (nominal sizes).
+- **activations**: per block ``34·s·b·h`` bytes (self-attention + MLP with fused attention, bf16; Korthikanti et al.
+  2022, without the s² term) plus ``10·s·b·h + 4·L·b·h`` for PixArt's cross-attention over L caption tokens; with
+  ``gradient_checkpointing`` one bf16 input per block plus one block's activations. s tokens, b per-GPU batch, h
+  hidden width. An estimate: allocator fragmentation, the VAE decode at evaluation and sampler buffers are not in it.
 """
 
 from __future__ import annotations
@@ -13,47 +25,84 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
 import torch
-import yaml
 
 from lightning_muon import muon_param_groups
 from lightning_muon.recipes.module import build_transformer
 from lightning_muon.strategy import BLOCK_MODULE_PATTERN
 
+#: Parameter counts of the published weights the configs point at (frozen models and metric networks).
+NOMINAL_PARAMS = {
+    "vae_path": 83.65e6,  # SD VAE (kl-f8, sd-vae-ft-ema)
+    "text_encoder_path": 4.762e9,  # T5-v1.1-XXL encoder
+    "dinov2": 304.4e6,  # DINOv2 ViT-L/14
+    "inception": 23.9e6,  # torch-fidelity InceptionV3 (FID)
+    "clip": 427.9e6,  # OpenAI CLIP ViT-L/14@336 (image and text towers)
+    "hps": 986.1e6,  # open_clip ViT-H-14 (HPS v2.1)
+}
+METRIC_NETWORKS = {"fd_dinov2": "dinov2", "prdc_dinov2": "dinov2", "fid": "inception", "cmmd": "clip", "hpsv2": "hps"}
+GIB = 2**30
 
-def model_state_bytes(architecture: str, model_config: dict, gpus: int, bucket_mb: float = 64.0) -> dict[str, float]:
-    """Bytes per GPU (GiB values) of params, grads, optimizer state and transient buffers for one model."""
+
+def _evaluation(config: dict) -> dict:
+    for callback in config.get("trainer", {}).get("callbacks") or []:
+        if str(callback.get("class_path", "")).endswith("GenerationEvaluation"):
+            return callback.get("init_args", {})
+    return {}
+
+
+def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
+    """Bytes per GPU (as GiB) of each part listed in the module docstring, for a loaded (stacked) config."""
+    trainer, model_cfg = config.get("trainer", {}), config["model"]
+    gpus = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
+    arch, net = model_cfg.get("architecture", "dit"), model_cfg["model_config"]
     with torch.device("meta"):
-        model = build_transformer(architecture, model_config)
+        model = build_transformer(arch, net)
     groups = muon_param_groups(model)
-    muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
-    total = sum(p.numel() for p in model.parameters())
+    matrices = [p for g in groups if g["use_muon"] for p in g["params"]]
+    muon, total = sum(p.numel() for p in matrices), sum(p.numel() for p in model.parameters())
     block = max(sum(p.numel() for p in m.parameters()) for n, m in model.named_modules()
                 if re.search(BLOCK_MODULE_PATTERN, n))  # fmt: skip
-    largest_matrix = max(p.numel() for g in groups if g["use_muon"] for p in g["params"])
-    gib = 2**30
-    sharded = (4 * total + 4 * total + 4 * muon + 8 * (total - muon)) / gpus
-    transient = 2 * 2 * block + max(bucket_mb * 2**20, 2 * largest_matrix) * 3
-    return {"params_B": total / 1e9, "muon_share": muon / total, "sharded_states_GiB": sharded / gib,
-            "transient_GiB": transient / gib, "total_GiB": (sharded + transient) / gib}  # fmt: skip
+    ema = total if model_cfg.get("ema_decay", 0.999) > 0 else 0
+    states = (4 * total + 4 * total + 4 * ema + 4 * muon + 8 * (total - muon)) / gpus
+    fsdp = 2 * 2 * block + 4 * block
+    largest = max(matrices, key=lambda p: p.numel())
+    p_small = min(largest.shape)
+    refresh = bucket_mb * 2**20 + 2 * (largest.numel() + 2 * p_small * p_small + largest.numel())
+    frozen = sum(2 * NOMINAL_PARAMS[k] for k in ("vae_path", "text_encoder_path") if model_cfg.get(k))
+    networks = {METRIC_NETWORKS[m] for m in _evaluation(config).get("metrics", []) if m in METRIC_NETWORKS}
+    evaluation = sum(4 * NOMINAL_PARAMS[n] for n in networks)
+    batch = config.get("data", {}).get("init_args", {}).get("batch_size", 1)
+    s = (net.get("sample_size", 32) // net.get("patch_size", 2)) ** 2
+    h = net["num_attention_heads"] * net["attention_head_dim"]
+    layers = net.get("num_layers", 28)
+    per_block = 34 * s * batch * h
+    if arch == "pixart":
+        per_block += 10 * s * batch * h + 4 * model_cfg.get("max_caption_length", 120) * batch * h
+    checkpointing = bool(model_cfg.get("gradient_checkpointing"))
+    activations = layers * 2 * s * batch * h + per_block if checkpointing else layers * per_block
+    parts = {"states": states, "fsdp": fsdp, "refresh": refresh, "frozen": frozen, "eval": evaluation,
+             "activations": activations}  # fmt: skip
+    return {"params_B": total / 1e9, "gpus": gpus, "batch": batch, "checkpointing": checkpointing,
+            **{k: v / GIB for k, v in parts.items()}, "total": sum(parts.values()) / GIB}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
+    from lightning_muon.recipes.cli import load_config
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configs", nargs="+", type=Path)
+    parser.add_argument("configs", nargs="+", help="config files; a+b stacks b on a")
     args = parser.parse_args(argv)
-    print(f"| {'config':<26} | {'params':>7} | {'Muon share':>10} | {'GPUs':>5} | {'sharded states':>14} | "
-          f"{'transient':>9} | {'per GPU':>8} |")  # fmt: skip
-    print("|" + "|".join("-" * w for w in (28, 9, 12, 7, 16, 11, 10)) + "|")
-    for path in args.configs:
-        cfg = yaml.safe_load(path.read_text())
-        gpus = cfg["trainer"].get("devices", 1) * cfg["trainer"].get("num_nodes", 1)
-        r = model_state_bytes(cfg["model"].get("architecture", "dit"), cfg["model"]["model_config"], gpus)
-        states, transient, total = r["sharded_states_GiB"], r["transient_GiB"], r["total_GiB"]
-        print(f"| {path.name:<26} | {r['params_B']:>6.2f}B | {100 * r['muon_share']:>9.1f}% | {gpus:>5} | "
-              f"{states:>10.2f} GiB | {transient:>5.2f} GiB | {total:>4.1f} GiB |")  # fmt: skip
+    columns = ("states", "fsdp", "refresh", "frozen", "eval", "activations", "total")
+    print("| config | params | GPUs | batch/GPU | ckpt | " + " | ".join(columns) + " |")
+    print("|---|---:|---:|---:|:---:|" + "---:|" * len(columns))
+    for spec in args.configs:
+        r = memory_per_gpu(load_config(*spec.split("+")))
+        name = spec.split("+")[-1].rsplit("/", 1)[-1]
+        cells = " | ".join(f"{r[c]:.2f} GiB" for c in columns)
+        print(f"| {name} | {r['params_B']:.2f}B | {r['gpus']} | {r['batch']} | {'yes' if r['checkpointing'] else 'no'} "
+              f"| {cells} |")
 
 
 if __name__ == "__main__":

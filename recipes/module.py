@@ -109,6 +109,8 @@ class DiTModule(L.LightningModule):
         val_timesteps: points of the fixed timestep grid of the validation loss.
         frozen_dtype: dtype of the frozen VAE and text encoder: ``"auto"`` (bf16 on CUDA, fp32 on CPU),
             ``"bfloat16"`` or ``"float32"``. They are replicated on every rank, outside FSDP and checkpoints.
+        gradient_checkpointing: recompute each transformer block in backward (diffusers' activation
+            checkpointing): activations drop from every block's intermediates to one input per block.
     """
 
     def __init__(
@@ -137,6 +139,7 @@ class DiTModule(L.LightningModule):
         max_caption_length: int = 120,
         val_timesteps: int = 8,
         frozen_dtype: str = "auto",
+        gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("objective", objective, OBJECTIVES),
@@ -172,6 +175,8 @@ class DiTModule(L.LightningModule):
             meta = self._device_mesh is not None
             with torch.device("meta") if meta else contextlib.nullcontext():
                 self.model = build_transformer(self.hparams.architecture, self.model_config)
+                if self.hparams.gradient_checkpointing:
+                    self.model.enable_gradient_checkpointing()
                 if self.hparams.ema_decay > 0:
                     self.ema = copy.deepcopy(self.model).requires_grad_(False)
         if self.hparams.vae_path and "vae" not in self._frozen:

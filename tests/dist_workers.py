@@ -168,3 +168,24 @@ def meta_init_worker(rank, world_size):
             ),  # fmt: skip
         }
     return out
+
+
+# ------------------------------------------------------------------------------------------- streamed latents
+def latent_epoch_worker(rank, world_size, root, batch_size, steps, state, num_workers):
+    """Iterate this rank's batches of one epoch of a latent directory through the real data module: ``steps``
+    of them (all if None), starting from a saved loader ``state``; returns the sample ids seen (the ``index``
+    tensor stored in the shards) and rank 0's loader state after them."""
+    from lightning_muon.recipes.data import LatentShardsDataModule
+
+    dm = LatentShardsDataModule(root, batch_size=batch_size, num_workers=num_workers)
+    dm.setup()
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(0)
+    if state is not None:
+        loader.load_state_dict(state)
+    seen = []
+    for i, batch in enumerate(loader):
+        seen.append(batch["index"].tolist())
+        if steps is not None and i + 1 == steps:
+            break
+    return {"seen": seen, "state": loader.state_dict()}

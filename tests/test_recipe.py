@@ -10,11 +10,17 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import tiny_text_encoder
+from helpers import tiny_text_encoder, tiny_vae
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_muon.recipes.cli import CONFIGS
-from lightning_muon.recipes.data import DigitsDataModule, ImageFolder, LatentShardsDataModule, write_latent_shard
+from lightning_muon.recipes.cli import CONFIGS, SHIPPED_CONFIGS, load_config
+from lightning_muon.recipes.data import (
+    DigitsDataModule,
+    ImageFolder,
+    LatentShardsDataModule,
+    write_latent_shard,
+    write_manifest,
+)
 from lightning_muon.recipes.module import DiTModule, build_transformer
 
 SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8,
@@ -168,24 +174,24 @@ def test_image_folder_errors_name_the_corrupt_file(tmp_path):
 def test_latent_shards_round_trip(tmp_path):
     write_latent_shard(tmp_path / "a.safetensors", torch.randn(3, 4, 8, 8), labels=torch.arange(3))
     write_latent_shard(tmp_path / "b.safetensors", torch.randn(2, 4, 8, 8), labels=torch.arange(2))
+    write_manifest(tmp_path)
     dm = LatentShardsDataModule(str(tmp_path), batch_size=5, num_workers=0)
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     assert batch["latents"].shape == (5, 4, 8, 8) and batch["labels"].shape == (5,)
-    with pytest.raises(FileNotFoundError, match="No \\*.safetensors"):
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
         LatentShardsDataModule(str(tmp_path / "empty")).setup()
 
 
-@pytest.mark.parametrize(("config", "billions"), [("dit_xl2_imagenet256.yaml", 0.675), ("t2i_1p3b.yaml", 1.3),
-                                                  ("t2i_4b.yaml", 4.0), ("t2i_9b.yaml", 9.0),
-                                                  ("t2i_15b.yaml", 15.0)])  # fmt: skip
+@pytest.mark.parametrize(("config", "billions"), [("dit_xl2_imagenet256", 0.675), ("t2i_1p3b", 1.3),
+                                                  ("t2i_4b", 4.0), ("t2i_9b", 9.0), ("t2i_15b", 15.0)])  # fmt: skip
 def test_paper_configs_match_their_names(config, billions):
-    cfg = yaml.safe_load((CONFIGS / config).read_text())
+    cfg = load_config(*SHIPPED_CONFIGS[config])
     with torch.device("meta"):
         model = build_transformer(cfg["model"]["architecture"], cfg["model"]["model_config"])
     count = sum(p.numel() for p in model.parameters()) / 1e9
     assert abs(count - billions) <= 0.15 * billions, count
-    assert cfg["trainer"]["strategy"] == "muon_fsdp" and cfg["model"]["period"] == 3
+    assert cfg["trainer"]["strategy"] == "muon_fsdp" and cfg["model"]["period"] == 3 and cfg["model"]["vae_path"]
     if config.startswith("t2i"):
         assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["model"]["rownorm_scale"] == 0.15
         assert cfg["trainer"]["num_nodes"] > 1 and cfg["trainer"]["val_check_interval"] == 5000
@@ -194,10 +200,11 @@ def test_paper_configs_match_their_names(config, billions):
 def test_all_configs_parse_with_the_cli():
     from lightning_muon.recipes.cli import main
 
-    for path in sorted(Path(CONFIGS).glob("*.yaml")):
+    assert {p.name for stack in SHIPPED_CONFIGS.values() for p in stack} == {p.name for p in CONFIGS.glob("*.yaml")}
+    for name, stack in SHIPPED_CONFIGS.items():
         with pytest.raises(SystemExit) as exit_info:
-            main(["fit", "--config", str(path), "--print_config"])
-        assert exit_info.value.code == 0, path
+            main(["fit", *[arg for p in stack for arg in ("--config", str(p))], "--print_config"])
+        assert exit_info.value.code == 0, name
 
 
 @pytest.mark.distributed
@@ -241,15 +248,11 @@ def test_pixart_with_a_text_encoder_trains_and_generates(tmp_path):
 
 
 def test_encode_latents_script_feeds_latent_shards(tmp_path):
-    from diffusers import AutoencoderKL
     from PIL import Image
 
     from lightning_muon.recipes.encode_latents import main as encode
 
-    torch.manual_seed(0)
-    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-                  up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), block_out_channels=(8, 8),
-                  latent_channels=4, norm_num_groups=4, sample_size=16).save_pretrained(tmp_path / "vae")  # fmt: skip
+    tiny_vae(tmp_path / "vae")
     tiny_text_encoder(tmp_path / "t5")
     images = tmp_path / "images"
     images.mkdir()
@@ -271,3 +274,16 @@ def test_encode_latents_script_feeds_latent_shards(tmp_path):
     module = DiTModule(architecture="pixart", model_config=pixart)
     module.configure_model()
     assert torch.isfinite(module.training_step(batch, 0))
+
+
+def test_memory_estimate_counts_every_part_and_the_big_configs_fit_an_80gb_gpu():
+    from lightning_muon.recipes.memory import memory_per_gpu
+
+    for name in ("t2i_9b", "t2i_15b"):
+        config = load_config(*SHIPPED_CONFIGS[name])
+        r = memory_per_gpu(config)
+        parts = ("states", "fsdp", "refresh", "frozen", "eval", "activations")
+        assert r["total"] == pytest.approx(sum(r[p] for p in parts)) and r["total"] < 75, r
+        assert r["frozen"] > 8.5 and r["eval"] > 6  # T5-XXL in bf16; DINOv2-L, Inception, CLIP-L and ViT-H in fp32
+        config["model"]["gradient_checkpointing"] = False  # the control: without recomputation it does not fit
+        assert memory_per_gpu(config)["activations"] > 50

@@ -154,10 +154,13 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
     paths = assets["paths"]
     t2i = name.startswith("t2i")
     real = paths["/data/eval/images"] if t2i else paths["/data/imagenet/val"]
-    weights = ["--dinov2-weights", paths["/models/dinov2-large"], "--inception-weights",
-               paths["/models/pt_inception-2015-12-05-6726825d.pth"], "--clip-weights",
-               paths["/models/clip-vit-large-patch14-336.bin"], "--hps-weights", paths["/models/HPS_v2.1_compressed.pt"],
-               "--clip-model", assets["clip_model"], "--hps-model", assets["clip_model"]]  # fmt: skip
+    weights = [
+        *("--dinov2-weights", paths["/models/dinov2-large"]),
+        *("--inception-weights", paths["/models/pt_inception-2015-12-05-6726825d.pth"]),
+        *("--clip-weights", paths["/models/clip-vit-large-patch14-336.bin"]),
+        *("--hps-weights", paths["/models/HPS_v2.1_compressed.pt"]),
+        *("--clip-model", assets["clip_model"], "--hps-model", assets["clip_model"]),
+    ]
     prompts = ["--prompts-file", paths["/data/eval/prompts.txt"]] if t2i else []
     cmd = [*torchrun(2), "-m", "lightning_muon.recipes.cli", "evaluate", tmp_path / "lightning_logs", "--out",
            tmp_path / "eval", "--metrics", *metrics, "--real", real, "--image-size", 16, "--num-samples", 8,
