@@ -57,12 +57,12 @@ def sharded_run(rank, world_size, shapes, cases, steps=10, mesh_shape=None):
     mesh = init_device_mesh("cpu", mesh_shape or (world_size,), mesh_dim_names=names)
     placements = [Replicate(), Shard(0)] if mesh_shape else [Shard(0)]
     results = []
-    for period, mode, ns_dtype in cases:
+    for period, mode, ns_dtype, *extra in cases:
         module = nn.Module()
         module.weights = nn.ParameterList([nn.Parameter(p) for p in full_params(shapes)])
         fully_shard(module, mesh=mesh)
         params = list(module.weights)
-        opt = PeriodicRowwiseMuon(params, **optimizer_kwargs(period, mode, ns_dtype))
+        opt = PeriodicRowwiseMuon(params, **optimizer_kwargs(period, mode, ns_dtype), **(extra[0] if extra else {}))
         per_step = []
         for grads in full_grads(shapes, steps):
             for p, g in zip(params, grads):
@@ -110,27 +110,52 @@ def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_sam
     return values
 
 
-def nonfinite_consensus_worker(rank, world_size, period):
-    """NaN in one element that only the last rank holds: every rank must skip the same step."""
+NONFINITE_SHAPES = [(8, 16), (16, 8), (6,)]  # wide, tall, and a vector on AdamW
+
+
+def nonfinite_run(params, opt, bad_step, place=lambda g: g, steps=4):
+    """Step ``opt`` with seeded grads; at ``bad_step`` one element of the wide matrix's last row is NaN (under FSDP
+    only the last rank holds it). Returns the skip count after each step, or the error message."""
+    skipped = []
+    for t, grads in enumerate(full_grads(NONFINITE_SHAPES, steps)):
+        if t == bad_step:
+            grads[0][-1, 3] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = place(g)
+        try:
+            opt.step()
+        except FloatingPointError as err:
+            return str(err)
+        skipped.append(opt.nonfinite_steps_skipped)
+    return skipped
+
+
+def nonfinite_optimizer(params, period, mode, nonfinite):
+    groups = [{"params": params[:2]}, {"params": params[2:], "use_muon": False}]
+    return PeriodicRowwiseMuon(groups, period=period, refresh=mode, nonfinite=nonfinite, weight_decay=0.01,
+                               ns_dtype=torch.float32)  # fmt: skip
+
+
+def nonfinite_dense(period, mode, nonfinite, bad_step):
+    params = [nn.Parameter(p) for p in full_params(NONFINITE_SHAPES)]
+    out = nonfinite_run(params, nonfinite_optimizer(params, period, mode, nonfinite), bad_step)
+    return out, [p.detach() for p in params]
+
+
+def nonfinite_consensus_worker(rank, world_size, period, mode, nonfinite, bad_step):
+    """The same run on FSDP2 shards: every rank must take the same decision as the dense run."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world_size,))
     module = nn.Module()
-    module.weights = nn.ParameterList([nn.Parameter(p) for p in full_params([(8, 16), (16, 8)])])
+    module.weights = nn.ParameterList([nn.Parameter(p) for p in full_params(NONFINITE_SHAPES)])
     fully_shard(module, mesh=mesh)
     params = list(module.weights)
-    opt = PeriodicRowwiseMuon(params, period=period, skip_nonfinite=True)
-    skipped = []
-    for t, grads in enumerate(full_grads([(8, 16), (16, 8)], 4)):
-        if t == 2:
-            grads[0][-1, 3] = float("nan")  # the last row of the wide matrix lives on the last rank
-        for p, g in zip(params, grads):
-            p.grad = distribute_tensor(g, mesh, [Shard(0)])
-        opt.step()
-        skipped.append(opt.nonfinite_steps_skipped)
-    return {"skipped": skipped, "steps": [float(opt.state[p]["step"]) for p in params]}
+    opt = nonfinite_optimizer(params, period, mode, nonfinite)
+    out = nonfinite_run(params, opt, bad_step, lambda g: distribute_tensor(g, mesh, [Shard(0)]))
+    return out, [p.full_tensor() for p in params]
 
 
 def meta_init_worker(rank, world_size):

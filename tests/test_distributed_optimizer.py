@@ -2,7 +2,14 @@
 
 import pytest
 import torch
-from dist_workers import SHAPES, dense_run, nonfinite_consensus_worker, placement_error_worker, sharded_run
+from dist_workers import (
+    SHAPES,
+    dense_run,
+    nonfinite_consensus_worker,
+    nonfinite_dense,
+    placement_error_worker,
+    sharded_run,
+)
 from helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -30,21 +37,47 @@ def test_sharded_equals_dense(sharded, case):
     assert results[0][case]["local_types"] == ["DTensor"] * len(SHAPES)  # states keep the parameter's placement
 
 
-def test_rownorm_steps_one_allreduce_no_gather(sharded):
+def expected_buckets(shapes, world, itemsize, bucket_bytes):
+    """Refresh buckets as documented: consecutive matrices until their padded full size reaches the bucket size."""
+    count, size = 0, 0
+    for m, n in shapes:
+        size += world * -(-m // world) * n * itemsize
+        if size >= bucket_bytes:
+            count, size = count + 1, 0
+    return count + (size > 0)
+
+
+def test_collectives_per_step_are_the_papers_budget(sharded):
+    """Counted by the profiler (c10d ops), independently of comm_stats: RowNorm steps one all-reduce (column
+    statistics and the non-finite flag), refresh steps only the refresh payload (the flag rides its first bucket)."""
     world, results = sharded
-    for case, (period, mode, _) in enumerate(CASES):
+    for case, (period, mode, dtype) in enumerate(CASES):
+        buckets = expected_buckets(SHAPES, world, dtype.itemsize, int(0.01 * 2**20))
+        small = 0
         for t, step in enumerate(results[0][case]["steps"]):
             refresh = t % period == 0
             assert step["branches"]["refresh" if refresh else "rownorm"] == len(SHAPES)
             profiled, stats = step["profiled"], step["stats"]
+            small += profiled["allreduce"]
             if not refresh:
-                assert profiled["allgather"] == 0 and profiled["alltoall"] == 0
-                assert profiled["allreduce"] == 1
+                assert profiled == {"allreduce": 1, "allgather": 0, "alltoall": 0}
                 assert stats["rownorm"]["collectives"] == 1 and stats["refresh"]["collectives"] == 0
             elif mode == "gather":
-                assert profiled["allgather"] >= 1 and profiled["alltoall"] == 0
+                assert profiled == {"allreduce": 0, "allgather": buckets, "alltoall": 0}
             else:
-                assert profiled["alltoall"] == 2 and profiled["allgather"] == 0
+                assert profiled == {"allreduce": 0, "allgather": 0, "alltoall": 2 * buckets}
+        steps = len(results[0][case]["steps"])
+        assert small / steps <= (period - 1) / period + 1e-9  # ≈ 0.67 small all-reduces per step at K=3
+
+
+def test_no_collective_on_rownorm_steps_when_rows_are_whole_and_checks_are_off():
+    wide = [(5, 7), (64, 96), (2, 64)]
+    cases = [(3, "scatter", torch.float32, {"nonfinite": "ignore"}), (3, "scatter", torch.float32)]
+    results = run_distributed(sharded_run, 2, wide, cases, 6)
+    for case, want in enumerate([0, 1]):  # "ignore": nothing to agree on; the default: the flag's all-reduce
+        for t, step in enumerate(results[0][case]["steps"]):
+            if t % 3:
+                assert step["profiled"] == {"allreduce": want, "allgather": 0, "alltoall": 0}
 
 
 def test_hsdp_mesh_shards_over_the_shard_dimension_only():
@@ -64,8 +97,20 @@ def test_column_sharded_matrix_is_refused():
     assert "Tensor-parallel or column-sharded matrices are not supported" in message
 
 
-@pytest.mark.parametrize("period", [1, 3])
-def test_nonfinite_gradient_on_one_rank_is_skipped_by_all(period):
-    results = run_distributed(nonfinite_consensus_worker, 2, period)
-    for r in results:
-        assert r["skipped"] == [0, 0, 1, 1] and r["steps"] == [3.0, 3.0]
+@pytest.mark.parametrize(("period", "bad_step"), [(1, 2), (3, 2), (3, 3)])  # refresh, RowNorm after a refresh
+@pytest.mark.parametrize("mode", ["gather", "scatter"])
+def test_nonfinite_gradient_on_one_rank_is_skipped_by_all(period, bad_step, mode):
+    """Only the last rank holds the NaN; the verdict rides a collective the step runs anyway, and every rank
+    (and the dense run) skips the same step."""
+    want, dense = nonfinite_dense(period, mode, "skip", bad_step)
+    assert want == [0] * bad_step + [1] * (4 - bad_step)
+    for out, params in run_distributed(nonfinite_consensus_worker, 2, period, mode, "skip", bad_step):
+        assert out == want
+        for got, ref in zip(params, dense):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["gather", "scatter"])
+def test_nonfinite_raise_mode_raises_on_every_rank(mode):
+    results = run_distributed(nonfinite_consensus_worker, 2, 1, mode, "raise", 1)
+    assert all(isinstance(out, str) and "Non-finite" in out for out, _ in results), results

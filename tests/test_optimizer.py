@@ -170,7 +170,7 @@ def test_mixed_groups_and_adamw_defaults():
     assert opt.param_groups[0]["lr"] == 0.02 and "betas" not in opt.param_groups[0]
     run([(opt, muon_p + adam_p)], steps=2)
     assert set(opt.state[adam_p[0]]) == {"step", "exp_avg", "exp_avg_sq"}
-    assert set(opt.state[muon_p[0]]) == {"step", "momentum_buffer"}
+    assert set(opt.state[muon_p[0]]) == {"momentum_buffer"} and [g["step"] for g in opt.param_groups] == [2, 2]
 
 
 # ------------------------------------------------------------------------------------------------- resume
@@ -291,32 +291,45 @@ def test_sparse_and_complex_gradients_are_rejected():
 def test_nonfinite_gradient_raises_with_name_or_skips(bad):
     good, broken = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3))
     groups = [{"params": [("w", good)]}, {"params": [("norm.bias", broken)], "use_muon": False}]
-    opt = PeriodicRowwiseMuon(groups)
+    opt = PeriodicRowwiseMuon(groups, nonfinite="raise")
     good.grad, broken.grad = torch.randn(4, 4), torch.tensor([0.0, bad, 1.0])
-    before = good.detach().clone()
+    before, before_b = good.detach().clone(), broken.detach().clone()
     with pytest.raises(FloatingPointError, match="'norm.bias'"):
         opt.step()
     assert torch.equal(good, before)  # nothing was updated, not even the finite group
 
-    opt = PeriodicRowwiseMuon(groups, skip_nonfinite=True)
+    opt = PeriodicRowwiseMuon(groups)  # default: skipped on the device, every write an identity
     opt.step()
-    assert opt.nonfinite_steps_skipped == 1 and torch.equal(good, before)
+    assert opt.nonfinite_steps_skipped == 1 and torch.equal(good, before) and torch.equal(broken, before_b)
+    assert all(torch.equal(t, torch.zeros_like(t)) for s in opt.state.values() for k, t in s.items() if k != "step")
     broken.grad = torch.ones(3)
+    good.grad = torch.randn(4, 4)
     opt.step()
-    assert not torch.equal(good, before) and opt.state[good]["step"].item() == 1.0
+    assert not torch.equal(good, before) and opt.nonfinite_steps_skipped == 1
+    assert [g["step"] for g in opt.param_groups] == [2, 2]  # a skipped step still counts in the schedule
+
+    opt = PeriodicRowwiseMuon(groups, nonfinite="ignore")  # checks nothing, as torch's optimizers
+    broken.grad = torch.tensor([0.0, bad, 1.0])
+    opt.step()
+    assert not broken.isfinite().all()
 
 
-def test_nonfinite_gradient_on_a_rownorm_step_leaves_state_untouched():
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_nonfinite_gradient_on_a_rownorm_step_leaves_state_untouched(mode):
     """RowNorm steps detect NaN through their row statistics, before momentum or weights are written."""
     wide, tall = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(8, 4))
-    opt = PeriodicRowwiseMuon([("wide", wide), ("tall", tall)], period=3)
+    opt = PeriodicRowwiseMuon([("wide", wide), ("tall", tall)], period=3, nonfinite=mode, weight_decay=0.1)
     wide.grad, tall.grad = torch.randn(4, 8), torch.randn(8, 4)
     opt.step()  # refresh
-    snapshot = [t.clone() for t in (wide, tall, opt.state[tall]["momentum_buffer"])]
+    snapshot = [t.clone() for t in (wide, tall, opt.state[tall]["momentum_buffer"], opt.state[wide]["momentum_buffer"])]
     wide.grad, tall.grad = torch.randn(4, 8), torch.randn(8, 4)
     tall.grad[5, 2] = float("nan")
-    with pytest.raises(FloatingPointError, match="'tall'"):
+    if mode == "raise":
+        with pytest.raises(FloatingPointError, match="'tall'"):
+            opt.step()
+    else:
         opt.step()
-    for before, after in zip(snapshot, (wide, tall, opt.state[tall]["momentum_buffer"])):
-        assert torch.equal(before, after)
-    assert opt.state[tall]["step"].item() == 1.0
+        assert opt.nonfinite_steps_skipped == 1
+    after = (wide, tall, opt.state[tall]["momentum_buffer"], opt.state[wide]["momentum_buffer"])
+    for before, now in zip(snapshot, after):
+        assert torch.equal(before, now)

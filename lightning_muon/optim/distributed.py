@@ -5,13 +5,20 @@ FSDP2 splits a parameter's rows like ``torch.chunk``: with ``c = ceil(m / W)`` r
 
 - RowNorm of a tall matrix (m > n) normalizes columns that span ranks: each rank contributes partial column sums of
   squares, and all such vectors travel in one flat all-reduce (see ``PeriodicRowwiseMuon``).
-- A refresh needs full matrices. ``gather`` (the paper): buckets of momentum shards are all-gathered, bucket i+1 in
-  flight while NS5 runs on bucket i, every rank orthogonalizes every matrix and keeps its rows. ``scatter`` (dion /
-  torchtitan style): each matrix has one owner rank (balanced by NS5 FLOPs); shards travel to owners in one
-  all-to-all, owners run NS5 once, rows travel back in a second all-to-all.
+- A refresh needs full matrices. Every refresh of a step — all groups together — runs as ONE bucketed pass, and each
+  bucket's update is written as soon as its NS5 is done, so the extra memory is a few buckets whatever the model size:
+
+  - ``gather`` (the paper): the look-ahead momentum of bucket i+1 is all-gathered while NS5 runs on bucket i; every
+    rank orthogonalizes every matrix and keeps its rows.
+  - ``scatter`` (dion / torchtitan style): each matrix has one owner rank (largest NS5 cost first onto the least
+    loaded rank, over all matrices of the step); per bucket one all-to-all sends shards to owners and one sends
+    orthogonalized rows back, both asynchronous: bucket i+1 travels to its owners and bucket i-1's rows travel back
+    while owners run NS5 on bucket i.
 
 Momentum travels in the NS5 dtype: NS5 casts its input to that dtype first, so the result is the same as gathering
-fp32 and casting, for half the bytes in bf16.
+fp32 and casting, for half the bytes in bf16. Nothing is written before the step's non-finite verdict is known: the
+look-ahead is computed out of place, and a verdict that rides the refresh (one flag element per rank in the first
+bucket) is read before the first write.
 """
 
 from __future__ import annotations
@@ -25,11 +32,23 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.optim.kernels import ns_flops
+from lightning_muon.optim.kernels import masked_scalar, ns_flops
 
-__all__ = ["CommStats", "RowShard", "assign_owners", "gather_orthogonalize", "row_shard", "scatter_orthogonalize"]
+__all__ = [
+    "CommStats",
+    "RefreshItem",
+    "RowShard",
+    "apply_refresh",
+    "assign_owners",
+    "flag_ok",
+    "gather_refresh",
+    "local_refresh",
+    "row_shard",
+    "scatter_refresh",
+]
 
-Orthogonalize = Callable[[list[Tensor]], list[Tensor]]
+Orthogonalize = Callable[[list[Tensor], list["RefreshItem"]], list[Tensor]]
+Verdict = Callable[[Tensor], None]  # may raise (nonfinite="raise"); in-flight collectives are drained first
 BRANCHES = ("refresh", "rownorm")
 
 
@@ -116,118 +135,249 @@ class CommStats:
         return out
 
 
-def _buckets(shards: Sequence[RowShard], itemsize: int, bucket_bytes: int) -> list[list[int]]:
-    """Consecutive index groups whose gathered (padded, full) size reaches ``bucket_bytes`` at most once each."""
+@dataclass
+class RefreshItem:
+    """One matrix to refresh: its local shard views and how its update is written,
+    ``M ← β M + (1-β) G``, ``W ← decay·W + scale·NS5(N)``."""
+
+    shard: RowShard
+    weight: Tensor
+    momentum: Tensor
+    grad: Tensor
+    beta: float
+    nesterov: bool
+    decay: float | Tensor
+    scale: float | Tensor
+    ns_key: tuple  # (dtype, steps, coefficients, eps): matrices with equal keys and shapes are batched
+    ns_steps: int = 5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ns_key[0]
+
+    def lookahead(self) -> tuple[Tensor, Tensor]:
+        """``(M_new, N)`` out of place, op for op as torch.optim.Muon; nothing is written."""
+        m_new = torch.lerp(self.momentum, self.grad, 1 - self.beta)
+        return m_new, torch.lerp(self.grad, m_new, self.beta) if self.nesterov else m_new
+
+
+def apply_refresh(items: Sequence[RefreshItem], m_news: Sequence[Tensor], orthos: Sequence[Tensor],
+                  ok: Tensor | None) -> None:  # fmt: skip
+    """Write momentum and weights of ``items`` from their local orthogonalized rows; with a device verdict ``ok``
+    (False: a non-finite gradient somewhere) every write is the identity, without a host synchronization."""
+    if ok is not None:
+        m_news = [torch.where(ok, m, it.momentum) for it, m in zip(items, m_news)]
+        orthos = [torch.where(ok, o, 0) for o in orthos]
+    torch._foreach_copy_([it.momentum for it in items], list(m_news))
+    by_scalars: dict[tuple, list[int]] = defaultdict(list)
+    for j, it in enumerate(items):
+        if isinstance(it.decay, Tensor) or isinstance(it.scale, Tensor):
+            by_scalars[("tensor", j)].append(j)
+        else:
+            by_scalars[(it.decay, it.scale)].append(j)
+    for index in by_scalars.values():
+        decay, scale = items[index[0]].decay, items[index[0]].scale
+        weights = [items[j].weight for j in index]
+        if isinstance(decay, Tensor) or decay != 1.0:
+            torch._foreach_mul_(weights, decay if ok is None else masked_scalar(ok, decay, 1.0, weights[0]))
+        if isinstance(scale, Tensor):
+            torch._foreach_add_(weights, [orthos[j].float() * scale for j in index])
+        else:  # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is ~6x slower)
+            torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
+
+
+def _buckets(items: Sequence[RefreshItem], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive index groups of one NS dtype whose full (padded) size reaches ``bucket_bytes`` at most once."""
     buckets, current, size = [], [], 0
-    for i, s in enumerate(shards):
+    for i, it in enumerate(items):
+        if current and it.dtype != items[current[0]].dtype:
+            buckets.append(current)
+            current, size = [], 0
+        s = it.shard
         current.append(i)
-        size += s.world * s.chunk * s.shape[1] * itemsize
+        size += s.world * s.chunk * s.shape[1] * it.dtype.itemsize
         if size >= bucket_bytes:
             buckets.append(current)
             current, size = [], 0
     return buckets + ([current] if current else [])
 
 
-def gather_orthogonalize(
-    updates: Sequence[Tensor],
-    shards: Sequence[RowShard],
+def local_refresh(items: Sequence[RefreshItem], orthogonalize: Orthogonalize, bucket_bytes: int,
+                  ok: Tensor | None) -> int:  # fmt: skip
+    """Unsharded matrices: bucket by bucket, look-ahead, NS5, write. Returns the NS5 FLOPs."""
+    for index in _buckets(items, bucket_bytes):
+        bucket = [items[i] for i in index]
+        m_news, ns = zip(*(it.lookahead() for it in bucket))
+        orthos = orthogonalize(list(ns), bucket)
+        apply_refresh(bucket, m_news, orthos, ok)
+    return sum(ns_flops(it.shard.shape, it.ns_steps) for it in items)
+
+
+def flag_ok(flags: Tensor) -> Tensor:
+    """The verdict from every rank's flag (0 finite, NaN not): a 0-d bool tensor on the device, no host sync."""
+    return flags.isfinite().all()
+
+
+def _verdict(on_verdict: Verdict | None, ok: Tensor, in_flight: dist.Work | None) -> None:
+    """Hand the verdict to ``on_verdict``; if it raises, wait for the collective in flight first (every rank raises
+    at the same point, so no rank is left inside a collective)."""
+    if on_verdict is None:
+        return
+    try:
+        on_verdict(ok)
+    except BaseException:
+        if in_flight is not None:
+            in_flight.wait()
+        raise
+
+
+def gather_refresh(
+    items: Sequence[RefreshItem],
     orthogonalize: Orthogonalize,
-    dtype: torch.dtype,
     bucket_bytes: int,
     stats: CommStats,
-) -> list[Tensor]:
-    """Paper mode: all-gather each bucket of local shards (padded to ``chunk`` rows), NS5 on full matrices on every
-    rank while the next bucket is in flight; returns this rank's rows of each orthogonalized matrix."""
-    group, world = shards[0].group, shards[0].world
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    ok: Tensor | None,
+    flag: Tensor | None = None,
+    on_verdict: Verdict | None = None,
+) -> tuple[Tensor | None, int]:
+    """Paper mode: per bucket, all-gather the look-ahead shards (padded to ``chunk`` rows), NS5 on full matrices on
+    every rank while the next bucket is in flight, write this rank's rows at once. A ``flag`` (this rank's 0 or NaN)
+    rides the first bucket: every rank then holds every rank's flag and the same verdict. Returns the verdict and
+    the NS5 FLOPs of this rank."""
+    group, world = items[0].shard.group, items[0].shard.world
 
-    def launch(index: list[int]):
-        sizes = [shards[i].chunk * shards[i].shape[1] for i in index]
-        send = torch.zeros(sum(sizes), dtype=dtype, device=updates[index[0]].device)
+    def launch(index: list[int], with_flag: bool):
+        bucket = [items[i] for i in index]
+        dtype, device = bucket[0].dtype, bucket[0].weight.device
+        looks = [it.lookahead() for it in bucket]
+        sizes = [it.shard.chunk * it.shard.shape[1] for it in bucket]
+        send = torch.zeros(sum(sizes) + with_flag, dtype=dtype, device=device)
         offset = 0
-        for i, size in zip(index, sizes):
-            send[offset : offset + updates[i].numel()].copy_(updates[i].reshape(-1))
+        for (_, n), size in zip(looks, sizes):
+            send[offset : offset + n.numel()].copy_(n.reshape(-1))
             offset += size
-        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        if with_flag:
+            send[-1] = flag
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
         work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
-        stats.add("refresh", send.numel() * itemsize, (world - 1) * send.numel() * itemsize)
-        return work, recv.view(world, -1), sizes
+        stats.add("refresh", send.numel() * dtype.itemsize, (world - 1) * send.numel() * dtype.itemsize)
+        return work, recv.view(world, -1), sizes, [m for m, _ in looks]
 
-    buckets = _buckets(shards, itemsize, bucket_bytes)
-    results: list[Tensor | None] = [None] * len(updates)
-    pending = launch(buckets[0])
+    buckets = _buckets(items, bucket_bytes)
+    pending = launch(buckets[0], flag is not None)
     for b, index in enumerate(buckets):
-        work, recv, sizes = pending
+        work, recv, sizes, m_news = pending
         if b + 1 < len(buckets):
-            pending = launch(buckets[b + 1])  # next bucket in flight during this bucket's NS5
+            pending = launch(buckets[b + 1], False)  # next bucket in flight during this bucket's NS5
         work.wait()
+        if b == 0 and flag is not None:
+            ok = flag_ok(recv[:, -1])
+            _verdict(on_verdict, ok, pending[0] if b + 1 < len(buckets) else None)
+        bucket = [items[i] for i in index]
         full, offset = [], 0
-        for i, size in zip(index, sizes):
-            m, n = shards[i].shape
-            full.append(recv[:, offset : offset + size].reshape(world * shards[i].chunk, n)[:m])
+        for it, size in zip(bucket, sizes):
+            m, n = it.shard.shape
+            full.append(recv[:, offset : offset + size].reshape(world * it.shard.chunk, n)[:m])
             offset += size
-        for i, ortho in zip(index, orthogonalize(full)):
-            start, end = shards[i].rows(shards[i].rank)
-            results[i] = ortho[start:end]
-    return results
+        orthos = [o[slice(*it.shard.rows(it.shard.rank))] for it, o in zip(bucket, orthogonalize(full, bucket))]
+        apply_refresh(bucket, m_news, orthos, ok)  # written now: no full matrix outlives its bucket
+        del full, orthos, recv
+    return ok, sum(ns_flops(it.shard.shape, it.ns_steps) for it in items)
 
 
-def assign_owners(shapes: Sequence[tuple[int, int]], world: int, steps: int = 5) -> list[int]:
-    """Owner rank of each matrix: largest NS5 cost first onto the least-loaded rank (deterministic on all ranks)."""
-    load = [0] * world
-    owners = [0] * len(shapes)
-    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], steps), i)):
+def assign_owners(costs: Sequence[int], world: int, load: list[int] | None = None) -> list[int]:
+    """Owner rank of each matrix: largest NS5 cost first onto the least-loaded rank (deterministic on all ranks).
+    ``load`` (per rank, updated in place) carries the balance across calls."""
+    load = [0] * world if load is None else load
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         owners[i] = min(range(world), key=lambda r: (load[r], r))
-        load[owners[i]] += ns_flops(shapes[i], steps)
+        load[owners[i]] += costs[i]
     return owners
 
 
-def scatter_orthogonalize(
-    updates: Sequence[Tensor],
-    shards: Sequence[RowShard],
+def scatter_refresh(
+    items: Sequence[RefreshItem],
     orthogonalize: Orthogonalize,
-    dtype: torch.dtype,
+    bucket_bytes: int,
     stats: CommStats,
-    steps: int = 5,
-) -> tuple[list[Tensor], int]:
-    """Owner mode: all-to-all shards to owners, NS5 once per matrix, all-to-all rows back.
+    ok: Tensor | None,
+    flag: Tensor | None = None,
+    on_verdict: Verdict | None = None,
+) -> tuple[Tensor | None, int]:
+    """Owner mode, bucketed and overlapped: per bucket an async all-to-all sends shards to their owners, owners run
+    NS5 once per matrix, a second async all-to-all returns each rank its rows; bucket i+1 travels to its owners and
+    bucket i-1's rows travel back while bucket i is orthogonalized. Owners are balanced by NS5 FLOPs over the whole
+    step (the load carries from bucket to bucket). A ``flag`` rides the first all-to-all (one element to every rank).
+    Returns the verdict and the NS5 FLOPs of this rank."""
+    group, world, rank = items[0].shard.group, items[0].shard.world, items[0].shard.rank
+    load = [0] * world
 
-    Returns this rank's rows of each orthogonalized matrix and the NS5 FLOPs this rank ran.
-    """
-    group, world, rank = shards[0].group, shards[0].world, shards[0].rank
-    device = updates[0].device
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    owners = assign_owners([s.shape for s in shards], world, steps)
-    owned_by = defaultdict(list)
-    for i, owner in enumerate(owners):
-        owned_by[owner].append(i)
-    mine = owned_by[rank]
-
-    def exchange(send_parts: list[list[Tensor]], recv_sizes: list[int]) -> list[Tensor]:
+    def exchange(send_parts: list[list[Tensor]], recv_sizes: list[int], dtype, device):
         send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
-        send = torch.cat([t.reshape(-1).to(dtype) for parts in send_parts for t in parts]) if sum(send_sizes) else \
-            torch.empty(0, dtype=dtype, device=device)  # fmt: skip
+        flat = [t.reshape(-1).to(dtype) for parts in send_parts for t in parts]
+        send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
         recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
-        stats.add("refresh", (sum(send_sizes) - send_sizes[rank]) * itemsize,
-                  (sum(recv_sizes) - recv_sizes[rank]) * itemsize)  # fmt: skip
-        return list(recv.split(recv_sizes))
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
+        stats.add("refresh", (sum(send_sizes) - send_sizes[rank]) * dtype.itemsize,
+                  (sum(recv_sizes) - recv_sizes[rank]) * dtype.itemsize)  # fmt: skip
+        return work, recv, recv_sizes
 
-    # 1. my shard of every matrix goes to its owner; I receive every rank's shard of the matrices I own
-    incoming = exchange([[updates[i] for i in owned_by[d]] for d in range(world)],
-                        [sum(shards[i].numel(src) for i in mine) for src in range(world)])  # fmt: skip
-    full = []
-    pieces = [list(block.split([shards[i].numel(src) for i in mine])) for src, block in enumerate(incoming)]
-    for j, i in enumerate(mine):
-        full.append(torch.cat([pieces[src][j] for src in range(world)]).view(shards[i].shape))
-    ortho = orthogonalize(full) if full else []
-    flops = sum(ns_flops(shards[i].shape, steps) for i in mine)
-    # 2. owners send each rank its rows back
-    back_parts = [[o[slice(*shards[i].rows(dst))] for i, o in zip(mine, ortho)] for dst in range(world)]
-    returned = exchange(back_parts, [sum(shards[i].numel(rank) for i in owned_by[src]) for src in range(world)])
-    results: list[Tensor | None] = [None] * len(updates)
-    for src, block in enumerate(returned):
-        for i, piece in zip(owned_by[src], block.split([shards[i].numel(rank) for i in owned_by[src]])):
-            start, end = shards[i].rows(rank)
-            results[i] = piece.view(end - start, shards[i].shape[1])
-    return results, flops
+    def forward(index: list[int], with_flag: bool):
+        bucket = [items[i] for i in index]
+        dtype, device = bucket[0].dtype, bucket[0].weight.device
+        owners = assign_owners([ns_flops(it.shard.shape, it.ns_steps) for it in bucket], world, load)
+        owned_by = defaultdict(list)
+        for j, owner in enumerate(owners):
+            owned_by[owner].append(j)
+        looks = [it.lookahead() for it in bucket]
+        extra = [flag.reshape(1)] if with_flag else []
+        send = [[looks[j][1] for j in owned_by[d]] + extra for d in range(world)]
+        recv_sizes = [sum(bucket[j].shard.numel(src) for j in owned_by[rank]) + with_flag for src in range(world)]
+        return exchange(send, recv_sizes, dtype, device), bucket, owned_by, [m for m, _ in looks], with_flag
+
+    def backward(fwd):
+        (_, recv, recv_sizes), bucket, owned_by, m_news, with_flag = fwd
+        mine = owned_by[rank]
+        blocks = [blk[: len(blk) - with_flag] for blk in recv.split(recv_sizes)]
+        pieces = [list(blk.split([bucket[j].shard.numel(src) for j in mine])) for src, blk in enumerate(blocks)]
+        full = [torch.cat([pieces[src][k] for src in range(world)]).view(bucket[j].shard.shape)
+                for k, j in enumerate(mine)]  # fmt: skip
+        orthos = orthogonalize(full, [bucket[j] for j in mine]) if full else []
+        if ok is not None:
+            orthos = [torch.where(ok, o, 0) for o in orthos]  # finite whatever the inputs: nothing NaN travels
+        back = [[o[slice(*bucket[j].shard.rows(dst))] for j, o in zip(mine, orthos)] for dst in range(world)]
+        sizes = [sum(bucket[j].shard.numel(rank) for j in owned_by[src]) for src in range(world)]
+        flops = sum(ns_flops(bucket[j].shard.shape, bucket[j].ns_steps) for j in mine)
+        return exchange(back, sizes, recv.dtype, recv.device), bucket, owned_by, m_news, flops
+
+    def finish(bwd) -> int:
+        (work, recv, recv_sizes), bucket, owned_by, m_news, flops = bwd
+        work.wait()
+        orthos: list[Tensor | None] = [None] * len(bucket)
+        for src, block in enumerate(recv.split(recv_sizes)):
+            js = owned_by[src]
+            for j, piece in zip(js, block.split([bucket[j].shard.numel(rank) for j in js])):
+                start, end = bucket[j].shard.rows(rank)
+                orthos[j] = piece.view(end - start, bucket[j].shard.shape[1])
+        apply_refresh(bucket, m_news, orthos, ok)
+        return flops
+
+    buckets = _buckets(items, bucket_bytes)
+    mine_flops = 0
+    fwd = forward(buckets[0], flag is not None)
+    in_flight_back = None
+    for b in range(len(buckets)):
+        nxt = forward(buckets[b + 1], False) if b + 1 < len(buckets) else None
+        fwd[0][0].wait()
+        if b == 0 and flag is not None:
+            recv, recv_sizes = fwd[0][1], fwd[0][2]
+            ends = torch.tensor(recv_sizes, device=recv.device).cumsum(0) - 1
+            ok = flag_ok(recv[ends])
+            _verdict(on_verdict, ok, nxt[0][0] if nxt is not None else None)
+        bwd = backward(fwd)  # rows of bucket b travel back while bucket b-1 is written and b+1 arrives
+        if in_flight_back is not None:
+            mine_flops += finish(in_flight_back)
+        in_flight_back, fwd = bwd, nxt
+    mine_flops += finish(in_flight_back)
+    return ok, mine_flops

@@ -125,16 +125,44 @@ def rownorm_sumsq(M: Tensor, G: Tensor, beta: float, nesterov: bool, dim: int) -
     return N.square_().sum(dim=dim, keepdim=True)  # eager: 7x faster than vector_norm across rows (dim=-2)
 
 
+def masked_scalar(ok: Tensor, value: float | Tensor, identity: float, like: Tensor) -> Tensor:
+    """``value`` where the device verdict ``ok`` holds, else ``identity``: a 0-d tensor in ``like``'s dtype and device
+    (rounded as the Python scalar would be), made without a host synchronization."""
+    value = value.to(like) if isinstance(value, Tensor) else torch.full((), value, dtype=like.dtype, device=like.device)
+    return torch.where(ok, value, identity)
+
+
 def rownorm_update_(
-    W: Tensor, M: Tensor, G: Tensor, sumsq: Tensor, beta: float, nesterov: bool, decay: float, scale: float, eps: float
+    W: Tensor,
+    M: Tensor,
+    G: Tensor,
+    sumsq: Tensor,
+    beta: float,
+    nesterov: bool,
+    decay: float | Tensor,
+    scale: float | Tensor,
+    eps: float,
+    ok: Tensor | None = None,
 ) -> None:
     r"""One RowNorm step in place: :math:`M \leftarrow \beta M + (1-\beta)G`, :math:`N` (written over ``G``),
-    :math:`W \leftarrow \text{decay}\cdot W + \text{scale}\cdot N / \max(\sqrt{\text{sumsq}}, \varepsilon)`."""
+    :math:`W \leftarrow \text{decay}\cdot W + \text{scale}\cdot N / \max(\sqrt{\text{sumsq}}, \varepsilon)`.
+
+    With a device verdict ``ok`` (False: a non-finite gradient somewhere) every write is an identity: ``G`` is
+    replaced by ``M`` (so ``M`` and ``N`` stay finite), the denominator by inf and the decay by 1.
+    """
+    den = sumsq.sqrt().clamp_min(eps)
+    if ok is not None:
+        G = torch.where(ok, G, M)
+        den = torch.where(ok, den, float("inf"))
+        decay = masked_scalar(ok, decay, 1.0, W)
     M.lerp_(G, 1 - beta)
     N = G.lerp_(M, beta) if nesterov else M
-    if decay != 1.0:
+    if isinstance(decay, Tensor) or decay != 1.0:
         W.mul_(decay)
-    W.addcdiv_(N, sumsq.sqrt().clamp_min(eps), value=scale)
+    if isinstance(scale, Tensor):
+        W.add_(N / den * scale)
+    else:
+        W.addcdiv_(N, den, value=scale)
 
 
 @functools.cache

@@ -15,14 +15,23 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_muon.optim.distributed import CommStats, RowShard, gather_orthogonalize, row_shard, scatter_orthogonalize
+from lightning_muon.optim.distributed import (
+    CommStats,
+    RefreshItem,
+    RowShard,
+    flag_ok,
+    gather_refresh,
+    local_refresh,
+    row_shard,
+    scatter_refresh,
+)
 from lightning_muon.optim.kernels import (
     ADJUST_LR_CHOICES,
     DEFAULT_NS_COEFFICIENTS,
     compiled_rownorm_kernels,
     default_ns_dtype,
+    masked_scalar,
     newton_schulz_,
-    ns_flops,
     resolve_ns_coefficients,
     row_norm_dim,
     rownorm_sumsq,
@@ -38,7 +47,8 @@ MUON_KEYS = (
     "lr", "momentum", "nesterov", "weight_decay", "period", "rownorm_scale",
     "ns_steps", "ns_coefficients", "ns_dtype", "ns_eps", "adjust_lr",
 )  # fmt: skip
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+ADAMW_KEYS = ("lr", "betas", "momentum", "eps", "weight_decay")
+NONFINITE_MODES = ("skip", "raise", "ignore")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 #: Same-shape matrices are orthogonalized as one batch of at most this many bytes (in the NS dtype).
 MAX_NS_BATCH_BYTES = 512 * 2**20
@@ -46,13 +56,14 @@ MAX_NS_BATCH_BYTES = 512 * 2**20
 
 @dataclass
 class _Work:
-    """One group's step: params with gradients, local views (weights, grads), row shardings, and the plan:
-    indices that refresh / take RowNorm, RowNorm row sums of squares, and which of those are partial (per rank)."""
+    """One group's step: params with gradients, local views (weights, grads), row shardings (Muon) and mesh
+    groups, and the plan: indices that refresh / take RowNorm, RowNorm row sums of squares, which are partial."""
 
     params: list[Tensor] = field(default_factory=list)
     weights: list[Tensor] = field(default_factory=list)
     grads: list[Tensor] = field(default_factory=list)
-    shards: list[RowShard] = field(default_factory=list)
+    shards: list[RowShard | None] = field(default_factory=list)
+    groups_of: list[dist.ProcessGroup | None] = field(default_factory=list)
     refresh: list[int] = field(default_factory=list)
     rownorm: list[int] = field(default_factory=list)
     sumsq: list[Tensor | None] = field(default_factory=list)
@@ -75,51 +86,62 @@ class PeriodicRowwiseMuon(Optimizer):
 
     RowNorm normalizes the :math:`\min(m,n)` vectors along the longer axis, so both branches have Frobenius norm
     :math:`s\sqrt{\min(m,n)}` and :math:`\gamma` is the RowNorm step relative to the spectral step. ``period=1`` is
-    vanilla Muon (identical to ``torch.optim.Muon``). Groups with ``use_muon=False`` run AdamW (identical to
-    ``torch.optim.AdamW``). With ``nesterov=True`` the look-ahead :math:`N_t` is written into ``p.grad`` in place
-    (as in Keller Jordan's reference), saving one matrix allocation per parameter and step. The step counter of
-    every parameter lives in ``state[p]["step"]``, so a resumed run takes
-    the same branch sequence as an uninterrupted one.
+    vanilla Muon (``torch.optim.Muon``'s update). Groups with ``use_muon=False`` run AdamW (``torch.optim.AdamW``'s
+    update). The step counter :math:`t` is one per param group (``group["step"]``, an int saved with the optimizer
+    state): all matrices of a group refresh on the same steps, and a resumed run takes the same branch sequence.
+    ``step()`` may overwrite ``p.grad`` (RowNorm steps write the Nesterov look-ahead into it).
+
+    Non-finite gradients (``nonfinite``): ``"skip"`` (default) decides on the device whether any gradient on any rank
+    is NaN/inf and, if so, makes every write of the step an identity — no host synchronization, the verdict riding a
+    collective the step runs anyway (the RowNorm statistics all-reduce, or a flag element in the first refresh
+    bucket); ``nonfinite_steps_skipped`` reads the on-device count (that read synchronizes). ``"raise"`` raises
+    ``FloatingPointError`` naming the parameter before anything is written (one host synchronization per step).
+    ``"ignore"`` checks nothing (as torch's optimizers). A skipped step still counts in the refresh schedule and in
+    AdamW's bias-correction step, so the schedule never waits on the device. AdamW groups are bit-identical to
+    ``torch.optim.AdamW`` in every mode on finite steps.
 
     Args:
         params: parameters or param groups (e.g. from :func:`lightning_muon.muon_param_groups`); a group's
             ``use_muon`` (default ``True``) picks the branch. Named parameters ``(name, tensor)`` give errors names.
-        lr: learning rate :math:`\eta` of Muon groups.
+        lr: learning rate :math:`\eta` of Muon groups (a float or a 0-d tensor).
         period: :math:`K`, steps between NS5 refreshes (1 = vanilla Muon).
         rownorm_scale: :math:`\gamma`, the RowNorm step relative to the NS5 step.
-        momentum: :math:`\beta` in [0, 1).
+        momentum: :math:`\beta` in [0, 1). AdamW groups expose their :math:`\beta_1` as ``group["momentum"]`` too
+            (what torch's ``OneCycleLR`` / ``CyclicLR`` with ``cycle_momentum`` change); it wins over ``betas[0]``.
         nesterov: use the Nesterov look-ahead :math:`N_t`.
         weight_decay: decoupled weight decay :math:`\lambda` of Muon groups.
         ns_steps: Newton–Schulz iterations.
         ns_coefficients: one (a, b, c) or a sequence of ``ns_steps`` triples.
         ns_dtype: NS5 compute dtype (``torch.bfloat16``, ``torch.float32`` or their names); ``None`` picks per
             device with :func:`~lightning_muon.optim.kernels.default_ns_dtype` (bf16 on CUDA and bf16-capable CPUs).
-        ns_eps: stabilizer of the NS5 normalization and of RowNorm.
+        ns_eps: stabilizer of the NS5 normalization and of RowNorm (> 0).
         adjust_lr: shape factor :math:`s(m, n)`: ``"original"`` or ``"match_rms_adamw"``.
         adamw_lr: default lr of AdamW groups (``None``: ``lr``).
         betas: AdamW :math:`(\beta_1, \beta_2)`.
         eps: AdamW epsilon.
         adamw_weight_decay: default weight decay of AdamW groups (``None``: ``weight_decay``).
-        skip_nonfinite: on a NaN/inf gradient skip the whole step and count it in ``nonfinite_steps_skipped``
-            instead of raising ``FloatingPointError``.
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (above).
         foreach: multi-tensor elementwise kernels (``None``: on).
         fused: compile the RowNorm step (row statistics, momentum, weight decay, update) with ``torch.compile`` into
             two passes per matrix: ~4x less elementwise time on CPU, but the first step compiles (seconds to a
             minute, cached on disk afterwards) and needs a C++ compiler on CPU / triton on CUDA.
-        refresh: how refresh steps get full matrices of FSDP2-sharded (DTensor) parameters: ``"gather"`` (bucketed
-            all-gather, NS5 on every rank, as the paper) or ``"scatter"`` (one owner rank per matrix, NS5 once).
-        bucket_mb: all-gather bucket size in MiB for ``refresh="gather"``.
+        refresh: how refresh steps get full matrices of FSDP2-sharded (DTensor) parameters. ``"scatter"`` (default):
+            one owner rank per matrix runs NS5 once, shards and rows travel by all-to-all — NS5 work per rank ≈ 1/W,
+            the same bytes on the wire as gathering, and the faster mode at every world size measured
+            (``benchmarks/distributed_step.py``). ``"gather"``: bucketed all-gather, NS5 on every rank (the paper).
+            Both write each bucket's update as soon as it is orthogonalized: extra memory ≈ a few buckets.
+        bucket_mb: refresh bucket size in MiB (full matrices in the NS dtype).
 
     Attributes:
         last_branches: how many matrices took each branch in the last step, ``{"refresh": int, "rownorm": int}``.
-        nonfinite_steps_skipped: steps skipped for non-finite gradients (with ``skip_nonfinite=True``).
+        nonfinite_steps_skipped: steps skipped for non-finite gradients (``nonfinite="skip"``; reading syncs).
         last_ns_flops: NS5 FLOPs this rank ran in the last step.
     """
 
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
-        lr: float = 0.02,
+        lr: float | Tensor = 0.02,
         period: int = 3,
         rownorm_scale: float = 0.15,
         momentum: float = 0.95,
@@ -130,21 +152,23 @@ class PeriodicRowwiseMuon(Optimizer):
         ns_dtype: torch.dtype | str | None = None,
         ns_eps: float = 1e-7,
         adjust_lr: str = "original",
-        adamw_lr: float | None = None,
+        adamw_lr: float | Tensor | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
-        skip_nonfinite: bool = False,
+        nonfinite: str = "skip",
         foreach: bool | None = None,
         fused: bool = False,
-        refresh: str = "gather",
+        refresh: str = "scatter",
         bucket_mb: float = 64.0,
     ) -> None:
         if refresh not in ("gather", "scatter"):
             raise ValueError(f"refresh must be 'gather' or 'scatter', got {refresh!r}.")
+        if nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}.")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}.")
-        self.refresh_mode, self.bucket_mb = refresh, bucket_mb
+        self.refresh_mode, self.bucket_mb, self.nonfinite = refresh, bucket_mb, nonfinite
         self._muon_defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, period=period,
             rownorm_scale=rownorm_scale, ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
@@ -156,14 +180,14 @@ class PeriodicRowwiseMuon(Optimizer):
             eps=eps,
             weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
         )
-        self.skip_nonfinite = skip_nonfinite
         self.foreach = True if foreach is None else foreach
         self.fused = fused
-        self.nonfinite_steps_skipped = 0
         self.last_branches = {"refresh": 0, "rownorm": 0}
         self.last_ns_flops = 0
+        self._skipped: Tensor | None = None
         self._comm = CommStats()
-        super().__init__(params, {"use_muon": True})
+        # "momentum" in the defaults tells torch's cyclic schedulers to cycle group["momentum"] (see ``momentum``)
+        super().__init__(params, {"use_muon": True, "momentum": momentum})
 
     # ----------------------------------------------------------------------------------------- groups and state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -171,13 +195,16 @@ class PeriodicRowwiseMuon(Optimizer):
         use_muon = param_group.setdefault("use_muon", True)
         if use_muon not in (True, False):
             raise ValueError(f"use_muon must be True or False, got {use_muon!r}.")
-        allowed = {"params", "param_names", "use_muon", *(MUON_KEYS if use_muon else ADAMW_KEYS)}
+        allowed = {"params", "param_names", "use_muon", "step", *(MUON_KEYS if use_muon else ADAMW_KEYS)}
         unknown = sorted(set(param_group) - allowed)
         if unknown:
             branch = "Muon" if use_muon else "AdamW"
             raise ValueError(f"Unknown option(s) {unknown} for a {branch} group; allowed: {sorted(allowed)}.")
         for key, value in (self._muon_defaults if use_muon else self._adamw_defaults).items():
             param_group.setdefault(key, value)
+        if not use_muon:
+            param_group.setdefault("momentum", tuple(param_group["betas"])[0])
+        param_group.setdefault("step", 0)
         params = param_group["params"]
         if not isinstance(params, (Tensor, set)):  # torch rejects sets itself
             param_group["params"] = params = list(params)
@@ -194,30 +221,48 @@ class PeriodicRowwiseMuon(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("skip_nonfinite", False)
+        self.__dict__.setdefault("nonfinite", "skip")
         self.__dict__.setdefault("foreach", True)
         self.__dict__.setdefault("fused", False)
-        self.__dict__.setdefault("nonfinite_steps_skipped", 0)
+        self.__dict__.setdefault("_skipped", None)
         self.__dict__.setdefault("last_branches", {"refresh": 0, "rownorm": 0})
         self.__dict__.setdefault("last_ns_flops", 0)
         self.__dict__.setdefault("_comm", CommStats())
-        self.__dict__.setdefault("refresh_mode", "gather")
+        self.__dict__.setdefault("refresh_mode", "scatter")
         self.__dict__.setdefault("bucket_mb", 64.0)
         for group in self.param_groups:
             group.setdefault("use_muon", True)
+            group.setdefault("step", 0)
             if group["use_muon"]:
                 group.setdefault("ns_eps", 1e-7)
                 group.setdefault("ns_coefficients", DEFAULT_NS_COEFFICIENTS)
                 group.setdefault("ns_dtype", None)
+            else:
+                group.setdefault("momentum", tuple(group["betas"])[0])
+
+    @property
+    def nonfinite_steps_skipped(self) -> int:
+        """Steps skipped for a non-finite gradient (``nonfinite="skip"``); reading it synchronizes with the device."""
+        return 0 if self._skipped is None else int(self._skipped)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict after checking it was saved for the same parameter layout.
+        """Load a state dict after checking it was saved for the same parameter layout and valid hyperparameters.
 
         Raises:
-            ValueError: naming the first group or parameter whose branch or state shape differs.
+            ValueError: naming the first group or parameter whose branch, hyperparameter or state shape is wrong.
         """
         self._check_layout(state_dict)
         super().load_state_dict(state_dict)
+        for g, group in enumerate(self.param_groups):
+            step = group.setdefault("step", 0)
+            if isinstance(step, Tensor):  # a distributed checkpoint may hand back a tensor
+                group["step"] = step = int(step)
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"Param group {g} was saved with step={step!r}; expected an integer >= 0.")
+            try:
+                (_validate_muon_group if group["use_muon"] else _validate_adamw_group)(group)
+            except ValueError as err:
+                raise ValueError(f"Param group {g} of the loaded state: {err}") from err
 
     def _check_layout(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -243,9 +288,12 @@ class PeriodicRowwiseMuon(Optimizer):
                             f"Saved state {key!r} of {_param_name(group, i)} has shape {tuple(value.shape)}, "
                             f"the parameter has shape {tuple(param.shape)}. " + hint
                         )
+                    if isinstance(value, Tensor) and value.is_floating_point() and not _all_finite(value):
+                        raise ValueError(f"Saved state {key!r} of {_param_name(group, i)} is not finite (NaN/inf): "
+                                         "the checkpoint is corrupt; resume from an earlier one.")  # fmt: skip
 
     def _collect(self, group: dict[str, Any]) -> _Work:
-        """Params with gradients, local views of them, their row sharding; creates missing state (zeros, step 0)."""
+        """Params with gradients, local views of them, their row sharding; creates missing state (zeros)."""
         work = _Work()
         for i, p in enumerate(group["params"]):
             if p.grad is None:
@@ -256,86 +304,104 @@ class PeriodicRowwiseMuon(Optimizer):
                 raise RuntimeError(f"{_param_name(group, i)} is complex; PeriodicRowwiseMuon supports real tensors.")
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                for key in ("momentum_buffer",) if group["use_muon"] else ("exp_avg", "exp_avg_sq"):
-                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["use_muon"]:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                else:  # as torch.optim.AdamW: a CPU step count, so bias corrections are host floats
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             work.params.append(p)
             work.weights.append(_local(p))
             work.grads.append(_local(p.grad))
-            if group["use_muon"]:
-                work.shards.append(row_shard(p))
+            work.shards.append(row_shard(p) if group["use_muon"] else None)
+            work.groups_of.append(_mesh_group(p))
         return work
 
     def _plan(self, group: dict[str, Any], work: _Work) -> None:
-        """Which matrices refresh and which take RowNorm; the latter's row statistics are filled by
-        :meth:`_row_statistics` (partial column sums on this rank's rows for tall sharded matrices)."""
-        if not group["use_muon"]:
+        """All matrices of a group refresh on the same steps, ``(t - 1) mod K == 0`` with the group's counter."""
+        if not group["use_muon"] or not work.params:
             return
-        refresh = [int(self.state[p]["step"].item()) % group["period"] == 0 for p in work.params]  # (t - 1) mod K
-        work.refresh = [i for i, r in enumerate(refresh) if r]
-        work.rownorm = [i for i, r in enumerate(refresh) if not r]
+        index = list(range(len(work.params)))
+        refresh = group["step"] % group["period"] == 0
+        work.refresh, work.rownorm = (index, []) if refresh else ([], index)
         work.partial = [row_norm_dim(work.shards[i].shape) == -2 and work.shards[i].sharded for i in work.rownorm]
         work.sumsq = [None] * len(work.rownorm)
 
-    def _row_statistics(self, works: list[_Work], partial: bool) -> None:
-        """Read-only: Σ N² along each RowNorm matrix's reduction axis, for the partial (or the local) ones."""
+    def _row_statistics(self, works: list[_Work], partial: bool | None) -> None:
+        """Read-only: Σ N² along each RowNorm matrix's reduction axis, for the partial, local or (None) all ones."""
         sumsq_fn = compiled_rownorm_kernels()[0] if self.fused else rownorm_sumsq
         for group, work in zip(self.param_groups, works):
             for j, (i, part) in enumerate(zip(work.rownorm, work.partial)):
-                if part == partial:
+                if partial is None or part == partial:
                     buf = _local(self.state[work.params[i]]["momentum_buffer"])
                     dim = row_norm_dim(work.shards[i].shape)
                     work.sumsq[j] = sumsq_fn(buf, work.grads[i], group["momentum"], group["nesterov"], dim)
 
-    def _sync_and_check(self, works: list[_Work]) -> str | None:
-        """Row statistics, completed across ranks, and one finiteness verdict shared by all ranks.
-
-        Single process: the local statistics of RowNorm matrices (a finite momentum with a non-finite gradient gives a
-        non-finite sum of squares) plus one multi-tensor norm of the other gradients, one host sync. Sharded: ONE
-        async all-reduce carries every partial column-sum vector of tall matrices and a probe of all other local
-        gradients; the statistics of matrices with local rows are computed while it is in flight. Non-finite anywhere
-        on any rank makes the buffer non-finite everywhere, so all ranks raise or skip together. Returns the name of
-        a parameter with a NaN/inf gradient (``"a parameter on another rank"`` when it is not local), or None.
-        """
+    def _local_flag(self, works: list[_Work]) -> Tensor:
+        """0 when every local gradient is finite, else NaN (float32, on the device): RowNorm matrices through their
+        row statistics (already read), every other gradient through one multi-tensor norm."""
+        stats = [sq.sum() for w in works for sq in w.sumsq if sq is not None]
+        rest = [g for w in works for i, g in enumerate(w.grads) if i not in set(w.rownorm)]
+        probes = stats + (list(torch._foreach_norm(rest)) if rest else [])
         device = next((g.device for w in works for g in w.grads), torch.device("cpu"))
-        group = next((s.group for w in works for s in w.shards if s.sharded), None)
-        partial_rows = {(k, w.rownorm[j]) for k, w in enumerate(works) for j, part in enumerate(w.partial) if part}
-        if group is None:
-            self._row_statistics(works, partial=False)
-            probes = [sq.sum() for w in works for sq in w.sumsq]
-            rest = [g for w in works for i, g in enumerate(w.grads) if i not in set(w.rownorm)]
+        probe = torch.stack([p.float() for p in probes]).sum() if probes else torch.zeros((), device=device)
+        return torch.where(probe.isfinite(), 0.0, float("nan")).to(device)
+
+    def _statistics_and_verdict(self, works: list[_Work], rides_refresh: bool) -> tuple[Tensor | None, Tensor | None]:
+        """Row statistics completed across ranks, and the step's non-finite verdict.
+
+        Returns ``(ok, flag)``: ``ok`` a 0-d bool device tensor shared by all ranks (None when nothing is checked, or
+        when ``flag`` — this rank's local verdict — rides the refresh pass instead). Sharded: at most ONE all-reduce,
+        carrying every partial column-sum vector of tall matrices and the flag; none when no matrix has split rows
+        and nothing is checked (or the flag rides the refresh's collectives).
+        """
+        checking = self.nonfinite != "ignore"
+        partials_exist = any(any(w.partial) for w in works)
+        group = next((pg for w in works for pg in w.groups_of if pg is not None), None)
+        if group is None or not (partials_exist or checking):
+            self._row_statistics(works, partial=None)
+            return (flag_ok(self._local_flag(works)) if checking else None), None
+        if checking:
+            self._row_statistics(works, partial=None)  # every gradient is read once, for statistics and the flag
+            flag = self._local_flag(works)
+            if rides_refresh and not partials_exist:
+                return None, flag
         else:
             self._row_statistics(works, partial=True)
-            probes = []
-            rest = [g for k, w in enumerate(works) for i, g in enumerate(w.grads) if (k, i) not in partial_rows]
-        probes += list(torch._foreach_norm(rest)) if rest else []
-        probe = torch.stack(probes).sum().float() if probes else torch.zeros((), device=device)
-        if group is None:
-            finite = bool(probe.isfinite())
-        else:
-            partials = [sq for w in works for sq, part in zip(w.sumsq, w.partial) if part]
-            flat = torch.cat([t.reshape(-1).float() for t in partials] + [probe.reshape(1)])
-            handle = dist.all_reduce(flat, group=group, async_op=True)
-            branch = "rownorm" if any(w.rownorm for w in works) else "refresh"
-            self._comm.add(branch, flat.numel() * flat.element_size(), flat.numel() * flat.element_size())
+        partials = [sq for w in works for sq, part in zip(w.sumsq, w.partial) if part]
+        extra = [flag.reshape(1)] if checking else []
+        flat = torch.cat([t.reshape(-1).float() for t in partials] + extra)
+        handle = dist.all_reduce(flat, group=group, async_op=True)
+        branch = "rownorm" if any(w.rownorm for w in works) else "refresh"
+        self._comm.add(branch, flat.numel() * flat.element_size(), flat.numel() * flat.element_size())
+        if not checking:
             self._row_statistics(works, partial=False)  # overlapped with the all-reduce
-            handle.wait()
-            finite = bool(flat.isfinite().all())
-            for t, reduced in zip(partials, flat[:-1].split([t.numel() for t in partials])):
-                t.copy_(reduced.view_as(t))
-        if finite:
-            return None
-        for group_, w in zip(self.param_groups, works):
-            names = {id(p): _param_name(group_, i) for i, p in enumerate(group_["params"])}
-            for p, g in zip(w.params, w.grads):
-                if not bool(g.isfinite().all()):
-                    return names[id(p)]
-        return "a parameter on another rank" if group is not None else None  # None: a sum of squares overflowed
+        handle.wait()
+        for t, reduced in zip(partials, flat[: flat.numel() - len(extra)].split([t.numel() for t in partials])):
+            t.copy_(reduced.view_as(t))
+        return (flag_ok(flat[-1:]) if checking else None), None
+
+    def _raise_if_nonfinite(self, works: list[_Work], ok: Tensor) -> None:
+        """``nonfinite="raise"``: one host synchronization; the error names a parameter with a NaN/inf gradient."""
+        if bool(ok):
+            return
+        name = "a parameter on another rank"
+        for group, w in zip(self.param_groups, works):
+            names = {id(p): _param_name(group, i) for i, p in enumerate(group["params"])}
+            bad = next((names[id(p)] for p, g in zip(w.params, w.grads) if not _all_finite(g)), None)
+            if bad is not None:
+                name = bad
+                break
+        raise FloatingPointError(
+            f"Non-finite (NaN or inf) gradient in {name}. Lower the learning rate, enable gradient clipping or loss "
+            "scaling, or use nonfinite='skip' to skip such steps."
+        )
 
     # ---------------------------------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Perform one optimization step (all groups, or none when a gradient is non-finite)."""
+        """Perform one optimization step (all groups; every write an identity when a gradient is non-finite and
+        ``nonfinite="skip"``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -343,30 +409,35 @@ class PeriodicRowwiseMuon(Optimizer):
         works = [self._collect(group) for group in self.param_groups]
         for group, work in zip(self.param_groups, works):
             self._plan(group, work)
-        bad = self._sync_and_check(works)
-        if bad is not None:
-            if not self.skip_nonfinite:
-                raise FloatingPointError(
-                    f"Non-finite (NaN or inf) gradient in {bad}. Lower the learning rate, enable gradient clipping or "
-                    "loss scaling, or pass skip_nonfinite=True to skip such steps."
-                )
-            self.nonfinite_steps_skipped += 1
-            log.warning("Skipped optimizer step: non-finite gradient in %s (%d skipped so far).", bad,
-                        self.nonfinite_steps_skipped)  # fmt: skip
-            return loss
-        self.last_branches = {"refresh": 0, "rownorm": 0}
+        items = [it for group, work in zip(self.param_groups, works) for it in self._refresh_items(group, work)]
+        sharded_items = [it for it in items if it.shard.sharded]
+        ok, flag = self._statistics_and_verdict(works, rides_refresh=bool(sharded_items))
+        raising = self.nonfinite == "raise"
+        if raising and ok is not None:
+            self._raise_if_nonfinite(works, ok)
+        on_verdict = (lambda verdict: self._raise_if_nonfinite(works, verdict)) if raising else None
         self.last_ns_flops = 0
+        if sharded_items:
+            run = gather_refresh if self.refresh_mode == "gather" else scatter_refresh
+            ok, flops = run(sharded_items, _orthogonalize_items, int(self.bucket_mb * 2**20), self._comm,
+                            ok, flag, on_verdict)  # fmt: skip
+            self.last_ns_flops += flops
+        masked = ok if self.nonfinite == "skip" else None
+        local_items = [it for it in items if not it.shard.sharded]
+        if local_items:
+            self.last_ns_flops += local_refresh(local_items, _orthogonalize_items, int(self.bucket_mb * 2**20), masked)
+        self.last_branches = {"refresh": len(items), "rownorm": sum(len(w.rownorm) for w in works)}
         for group, work in zip(self.param_groups, works):
-            if not work.params:
-                continue
-            if group["use_muon"]:
-                self._rownorm(group, work)
-                self._refresh(group, work)
-                self.last_branches["refresh"] += len(work.refresh)
-                self.last_branches["rownorm"] += len(work.rownorm)
-                _add_([self.state[p]["step"] for p in work.params], 1.0, self.foreach)
-            else:
-                self._adamw_step(group, work)
+            if work.params and group["use_muon"]:
+                self._rownorm(group, work, masked)
+            elif work.params:
+                self._adamw_step(group, work, masked)
+            if work.params:
+                group["step"] += 1
+        if masked is not None:
+            if self._skipped is None:
+                self._skipped = torch.zeros((), dtype=torch.int64, device=masked.device)
+            self._skipped += (~masked).long()
         return loss
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -374,88 +445,75 @@ class PeriodicRowwiseMuon(Optimizer):
         since the last call. The per-step all-reduce counts under ``"rownorm"`` when any matrix took RowNorm."""
         return self._comm.pop()
 
-    def _rownorm(self, group: dict[str, Any], work: _Work) -> None:
+    def _scales(self, group: dict[str, Any], shape: tuple[int, int]) -> tuple[float | Tensor, float | Tensor]:
+        """``(decay, -lr·s(m,n))`` of a matrix: floats, or 0-d tensors with a tensor lr."""
+        lr = group["lr"]
+        return 1 - lr * group["weight_decay"], -lr * shape_factor(shape, group["adjust_lr"])
+
+    def _refresh_items(self, group: dict[str, Any], work: _Work) -> list[RefreshItem]:
+        if not work.refresh:
+            return []
+        dtype = _ns_dtype(group, work.weights[0].device)
+        key = (dtype, group["ns_steps"], tuple(map(tuple, resolve_ns_coefficients(group["ns_coefficients"],
+               group["ns_steps"]))), group["ns_eps"])  # fmt: skip
+        items = []
+        for i in work.refresh:
+            decay, scale = self._scales(group, work.shards[i].shape)
+            buf = _local(self.state[work.params[i]]["momentum_buffer"])
+            items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
+                                     group["nesterov"], decay, scale, key, group["ns_steps"]))  # fmt: skip
+        return items
+
+    def _rownorm(self, group: dict[str, Any], work: _Work, ok: Tensor | None) -> None:
         """W ← W(1 - lr·wd) - lr·γ·s·RowNorm(N) with the planned row statistics, one fused pass per matrix."""
         update_fn = compiled_rownorm_kernels()[1] if self.fused else rownorm_update_
-        decay = 1 - group["lr"] * group["weight_decay"]
         for i, sumsq in zip(work.rownorm, work.sumsq):
-            scale = -group["lr"] * group["rownorm_scale"] * shape_factor(work.shards[i].shape, group["adjust_lr"])
+            decay, scale = self._scales(group, work.shards[i].shape)
             buf = _local(self.state[work.params[i]]["momentum_buffer"])
-            update_fn(work.weights[i], buf, work.grads[i], sumsq, group["momentum"], group["nesterov"], decay, scale,
-                      group["ns_eps"])  # fmt: skip
+            update_fn(work.weights[i], buf, work.grads[i], sumsq, group["momentum"], group["nesterov"], decay,
+                      scale * group["rownorm_scale"], group["ns_eps"], ok)  # fmt: skip
 
-    def _refresh(self, group: dict[str, Any], work: _Work) -> None:
-        """Momentum, then W ← W(1 - lr·wd) - lr·s·NS5(N) on full matrices (gathered or sent to owners if sharded)."""
-        if not work.refresh:
-            return
-        weights = [work.weights[i] for i in work.refresh]
-        grads = [work.grads[i] for i in work.refresh]
-        shards = [work.shards[i] for i in work.refresh]
-        bufs = [_local(self.state[work.params[i]]["momentum_buffer"]) for i in work.refresh]
-        beta, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
-        _lerp_(bufs, grads, 1 - beta, self.foreach)
-        if group["nesterov"]:  # N = βM + (1-β)G written over the gradient, which step() consumes
-            _lerp_(grads, bufs, beta, self.foreach)
-        updates = grads if group["nesterov"] else bufs
-        if wd != 0:
-            _mul_(weights, 1 - lr * wd, self.foreach)
-        dtype = _ns_dtype(group, weights[0].device)
-
-        def orthogonalize(matrices: list[Tensor]) -> list[Tensor]:
-            return _orthogonalize(matrices, dtype, group["ns_steps"], group["ns_coefficients"], group["ns_eps"])
-
-        sharded = [j for j, s in enumerate(shards) if s.sharded]
-        local = [j for j, s in enumerate(shards) if not s.sharded]
-        results: list[Tensor | None] = [None] * len(weights)
-        if sharded:
-            args = ([updates[j] for j in sharded], [shards[j] for j in sharded], orthogonalize, dtype)
-            if self.refresh_mode == "gather":
-                out = gather_orthogonalize(*args, int(self.bucket_mb * 2**20), self._comm)
-                self.last_ns_flops += sum(ns_flops(shards[j].shape, group["ns_steps"]) for j in sharded)
-            else:
-                out, flops = scatter_orthogonalize(*args, self._comm, group["ns_steps"])
-                self.last_ns_flops += flops
-            for j, o in zip(sharded, out):
-                results[j] = o
-        for j, o in zip(local, orthogonalize([updates[j] for j in local]) if local else []):
-            results[j] = o
-            self.last_ns_flops += ns_flops(shards[j].shape, group["ns_steps"])
-        by_scale: dict[float, list[int]] = defaultdict(list)
-        for j, s in enumerate(shards):
-            by_scale[-lr * shape_factor(s.shape, group["adjust_lr"])].append(j)
-        for scale, index in by_scale.items():
-            # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is ~6x slower)
-            torch._foreach_add_([weights[j] for j in index], [results[j] for j in index], alpha=scale)
-
-    def _adamw_step(self, group: dict[str, Any], work: _Work) -> None:
-        """Decoupled-weight-decay Adam, op for op as ``torch.optim.AdamW`` (bit-identical results), on local shards."""
+    def _adamw_step(self, group: dict[str, Any], work: _Work, ok: Tensor | None) -> None:
+        """Decoupled-weight-decay Adam, op for op as ``torch.optim.AdamW`` (bit-identical on finite steps), on local
+        shards. With a device verdict ``ok``, three ``torch.where`` make a skipped step an identity."""
         params, grads = work.weights, work.grads
         states = [self.state[p] for p in work.params]
         exp_avgs = [_local(s["exp_avg"]) for s in states]
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = group["momentum"], tuple(group["betas"])[1]
+        group["betas"] = (beta1, beta2)  # momentum (what cyclic schedulers change) is beta1
+        lerp_to, sq_of, moment = grads, grads, exp_avgs
+        if ok is not None:
+            lerp_to = [torch.where(ok, g, m) for g, m in zip(grads, exp_avgs)]  # lerp(m, m) = m
+            sq_of = [torch.where(ok, g, 0) for g in grads]  # v·1 + (1-β2)·0·0 = v
         _add_(steps, 1.0, self.foreach)
         if wd != 0:
-            _mul_(params, 1 - lr * wd, self.foreach)
-        _lerp_(exp_avgs, grads, 1 - beta1, self.foreach)
-        _mul_(exp_avg_sqs, beta2, self.foreach)
+            decay = 1 - lr * wd
+            _mul_(params, decay if ok is None else masked_scalar(ok, decay, 1.0, params[0]), self.foreach)
+        _lerp_(exp_avgs, lerp_to, 1 - beta1, self.foreach)
+        _mul_(exp_avg_sqs, beta2 if ok is None else masked_scalar(ok, beta2, 1.0, exp_avg_sqs[0]), self.foreach)
         if self.foreach:
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, sq_of, sq_of, 1 - beta2)
         else:
-            for v, g in zip(exp_avg_sqs, grads):
+            for v, g in zip(exp_avg_sqs, sq_of):
                 v.addcmul_(g, g, value=1 - beta2)
-        step_size = [-lr / (1 - beta1 ** t.item()) for t in steps]
+        if ok is not None:
+            moment = [torch.where(ok, m, 0) for m in exp_avgs]  # the weight moves by step_size · 0 / denom
+        step_size = [-lr / (1 - beta1 ** t.item()) for t in steps]  # CPU step counts: no device sync
         bias_correction2_sqrt = [(1 - beta2 ** t.item()) ** 0.5 for t in steps]
-        if self.foreach:
+        if self.foreach and not isinstance(lr, Tensor):
             denom = torch._foreach_sqrt(exp_avg_sqs)
             torch._foreach_div_(denom, bias_correction2_sqrt)
             torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+            torch._foreach_addcdiv_(params, moment, denom, step_size)
         else:
-            for p, m, v, size, bc2 in zip(params, exp_avgs, exp_avg_sqs, step_size, bias_correction2_sqrt):
-                p.addcdiv_(m, (v.sqrt() / bc2).add_(eps), value=size)
+            for p, m, v, size, bc2 in zip(params, moment, exp_avg_sqs, step_size, bias_correction2_sqrt):
+                if isinstance(size, Tensor):
+                    p.add_(m / (v.sqrt() / bc2).add_(eps) * size)
+                else:
+                    p.addcdiv_(m, (v.sqrt() / bc2).add_(eps), value=size)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -488,15 +546,14 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _orthogonalize(
-    matrices: list[Tensor], dtype: torch.dtype, steps: int, coefficients: Any, eps: float
-) -> list[Tensor]:
-    """NS5 of each matrix in ``dtype``; same-shape matrices are stacked (cast in the same copy) into batched calls."""
+def _orthogonalize_items(matrices: list[Tensor], items: Sequence[RefreshItem]) -> list[Tensor]:
+    """NS5 of each matrix with its item's settings; same-shape matrices with equal settings are stacked (cast in the
+    same copy) into batched calls."""
     results: list[Tensor | None] = [None] * len(matrices)
     buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, x in enumerate(matrices):
-        buckets[(tuple(x.shape), x.device)].append(i)
-    for (shape, device), index in buckets.items():
+    for i, (x, item) in enumerate(zip(matrices, items)):
+        buckets[(tuple(x.shape), x.device, item.ns_key)].append(i)
+    for (shape, device, (dtype, steps, coefficients, eps)), index in buckets.items():
         per_batch = max(1, MAX_NS_BATCH_BYTES // (math.prod(shape) * dtype.itemsize))
         for start in range(0, len(index), per_batch):
             chunk = index[start : start + per_batch]
@@ -506,6 +563,19 @@ def _orthogonalize(
             for i, o in zip(chunk, newton_schulz_(X, steps, coefficients, eps).unbind(0)):
                 results[i] = o
     return results
+
+
+def _mesh_group(p: Tensor) -> dist.ProcessGroup | None:
+    """The process group a DTensor parameter is sharded over (None for plain or replicated tensors)."""
+    if not isinstance(p, DTensor):
+        return None
+    dims = [i for i, placement in enumerate(p.placements) if placement.is_shard()]
+    return p.device_mesh.get_group(dims[0]) if dims else None
+
+
+def _all_finite(t: Tensor) -> bool:
+    """Host check (synchronizes): every entry of the local tensor is finite."""
+    return bool(torch.isfinite(_local(t)).all())
 
 
 def _param_name(group: dict[str, Any], index: int) -> str:
@@ -521,6 +591,8 @@ def _ns_dtype(group: dict[str, Any], device: torch.device) -> torch.dtype:
 def _validate_muon_group(group: dict[str, Any]) -> None:
     """Check a Muon group's options and parameters; stores ``ns_dtype`` by name ("bfloat16", ...)."""
     _check_nonnegative(group, "lr", "weight_decay", "rownorm_scale", "ns_eps")
+    if not group["ns_eps"] > 0:
+        raise ValueError(f"ns_eps must be > 0 (NS5 and RowNorm of a zero matrix stay finite), got {group['ns_eps']}.")
     if not 0.0 <= group["momentum"] < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}.")
     period = group["period"]
@@ -544,7 +616,7 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
 
 
 def _validate_adamw_group(group: dict[str, Any]) -> None:
-    _check_nonnegative(group, "lr", "weight_decay", "eps")
+    _check_nonnegative(group, "lr", "weight_decay", "eps", "momentum")
     betas = tuple(group["betas"])
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"betas must be two values in [0, 1), got {group['betas']}.")
@@ -553,5 +625,7 @@ def _validate_adamw_group(group: dict[str, Any]) -> None:
 def _check_nonnegative(group: dict[str, Any], *keys: str) -> None:
     for key in keys:
         value = group[key]
+        if isinstance(value, Tensor) and value.numel() == 1 and value.is_floating_point():
+            value = float(value)  # a tensor lr (checked once, here)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0.0 or math.isinf(value):
             raise ValueError(f"{key} must be a finite number >= 0, got {value!r}.")
