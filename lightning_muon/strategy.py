@@ -2,14 +2,21 @@
 
 ``Trainer(strategy="muon_fsdp")`` (or ``MuonFSDPStrategy(...)``) builds a data-parallel device mesh over all ranks
 (or a replicate × shard mesh with ``hsdp=True``: replicate across nodes, shard within a node), applies
-:func:`shard_transformer` unless ``configure_model`` already sharded the module, checks that the optimizer is
-:class:`~lightning_muon.PeriodicRowwiseMuon` on DTensor parameters, and saves / resumes through
+:func:`shard_transformer` unless ``configure_model`` already sharded the module, checks the Muon matrices of a
+:class:`~lightning_muon.PeriodicRowwiseMuon` (any other optimizer runs as plain FSDP2), and saves / resumes through
 torch.distributed.checkpoint (a resumed run may use another number of devices). CPU runs use gloo, CUDA runs NCCL;
 ``num_nodes`` and cluster environments (torchrun, SLURM, …) work as in Lightning.
+
+The process group belongs to Lightning and the launcher: the strategy never destroys it nor runs a collective in
+teardown (a rank that raised must not wait in a barrier for ranks that will never arrive). At interpreter exit a
+still-initialized group is destroyed by an ``atexit`` hook: a gloo group left to C++ static destruction can abort
+the process ("terminate called without an active exception") — its worker threads are still joinable when their
+``std::thread`` destructors run — after a successful run.
 """
 
 from __future__ import annotations
 
+import atexit
 import re
 from datetime import timedelta
 from typing import Any
@@ -21,12 +28,14 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_muon.optim import PeriodicRowwiseMuon
+from lightning_muon.optim.distributed import row_shard
 
 __all__ = ["BLOCK_MODULE_PATTERN", "MuonFSDPStrategy", "default_mp_policy", "shard_transformer"]
 
@@ -183,37 +192,41 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    @override
-    def teardown(self) -> None:
-        """Also destroy the process group: a gloo group left to interpreter shutdown can abort the process
-        ("terminate called without an active exception") after a successful fit. A later fit re-initializes it."""
-        super().teardown()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
-
     def _check_optimizers(self) -> None:
+        """Muon matrices must be row-sharded DTensors (checked now, naming the parameter, not at the first step);
+        any other optimizer steps the FSDP2 shards as plain FSDP2."""
         for optimizer in self.optimizers:
             if not isinstance(optimizer, PeriodicRowwiseMuon):
-                raise TypeError(f"strategy='muon_fsdp' needs lightning_muon.PeriodicRowwiseMuon from "
-                                f"configure_optimizers(), got {type(optimizer).__name__}. Use strategy='fsdp' or "
-                                "'model_parallel' for other optimizers.")  # fmt: skip
+                rank_zero_info(f"muon_fsdp: {type(optimizer).__name__} steps the FSDP2-sharded parameters as plain "
+                               "FSDP2 (no Muon branch).")  # fmt: skip
+                continue
             for group in optimizer.param_groups:
                 if not group["use_muon"]:
                     continue
                 for i, p in enumerate(group["params"]):
+                    name = (group.get("param_names") or [f"#{i}"] * (i + 1))[i]
                     if not isinstance(p, DTensor):
-                        name = (group.get("param_names") or [f"#{i}"] * (i + 1))[i]
                         raise TypeError(f"Muon parameter {name} {tuple(p.shape)} is not a DTensor: under muon_fsdp "
                                         "every matrix must be sharded with FSDP2 fully_shard (not FSDP1 flat "
                                         "parameters, not left unsharded). Build the optimizer from the module's "
                                         "parameters after sharding (configure_optimizers).")  # fmt: skip
+                    try:
+                        row_shard(p)
+                    except ValueError as err:
+                        raise ValueError(f"Muon parameter {name}: {err}") from err
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + PeriodicRowwiseMuon (lightning-muon)")
 
+
+def _destroy_process_group_at_exit() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+atexit.register(_destroy_process_group_at_exit)
 
 if MuonFSDPStrategy.strategy_name not in StrategyRegistry:
     MuonFSDPStrategy.register_strategies(StrategyRegistry)

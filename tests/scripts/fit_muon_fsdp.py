@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -26,9 +27,9 @@ GLOBAL_BATCH, SAMPLES = 8, 48  # 6 optimizer steps per epoch
 class TinyFlowDiT(L.LightningModule):
     """Rectified-flow loss on a tiny class-conditional DiT; noise and timesteps come with each sample."""
 
-    def __init__(self, optimizer: str = "muon", partial_shard: bool = False) -> None:
+    def __init__(self, optimizer: str = "muon", partial_shard: bool = False, shard: bool = False) -> None:
         super().__init__()
-        self.optimizer, self.partial_shard = optimizer, partial_shard
+        self.optimizer, self.partial_shard, self.shard = optimizer, partial_shard, shard
         self.model = tiny_dit()
         for m in self.model.modules():  # no random label dropout: the loss must not depend on the world size
             if hasattr(m, "dropout_prob"):
@@ -43,6 +44,10 @@ class TinyFlowDiT(L.LightningModule):
         return loss
 
     def configure_model(self):
+        if self.shard:  # Lightning's own ModelParallelStrategy leaves sharding to the module
+            from lightning_muon import shard_transformer
+
+            shard_transformer(self, self.device_mesh["data_parallel"])
         if self.partial_shard:  # a user sharding by hand and forgetting a block: its matrices stay plain tensors
             from torch.distributed.fsdp import fully_shard
 
@@ -62,7 +67,7 @@ class Record(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         opt = trainer.optimizers[0]
         self.rows.append({"step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
-                          "branches": dict(opt.last_branches), "world": trainer.world_size})  # fmt: skip
+                          "branches": dict(getattr(opt, "last_branches", {})), "world": trainer.world_size})
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
@@ -84,15 +89,18 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
     parser.add_argument("--partial-shard", action="store_true")
+    parser.add_argument("--strategy", default="muon_fsdp", choices=["muon_fsdp", "model_parallel"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy="muon_fsdp", max_epochs=args.epochs,
+        accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
+        strategy=ModelParallelStrategy(args.devices, 1) if args.strategy == "model_parallel" else "muon_fsdp",
         default_root_dir=args.root, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)],
     )  # fmt: skip
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // args.devices, shuffle=False)
-    trainer.fit(TinyFlowDiT(args.optimizer, args.partial_shard), loader, ckpt_path=args.ckpt_path)
+    module = TinyFlowDiT(args.optimizer, args.partial_shard, shard=args.strategy == "model_parallel")
+    trainer.fit(module, loader, ckpt_path=args.ckpt_path)
 
 
 if __name__ == "__main__":
