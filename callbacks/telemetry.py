@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.distributed.tensor import DTensor
@@ -14,33 +15,57 @@ from typing_extensions import override
 
 from lightning_muon.optim import PeriodicRowwiseMuon
 
-__all__ = ["OptimizerTelemetry"]
+__all__ = ["OptimizerTelemetry", "squared_norms"]
 
 
-def _sq_norm(tensors: list[Tensor]) -> float:
-    """Σ‖t‖² over tensors; DTensors reduce over their mesh (every rank gets the global value)."""
-    total = 0.0
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_group(tensors: list[Tensor]) -> dist.ProcessGroup | None:
+    """The group DTensor shards are split over (their sums add up there; replicas of HSDP are not added again)."""
     for t in tensors:
-        sq = t.detach().float().square().sum()
-        total += float(sq.full_tensor() if isinstance(sq, DTensor) else sq)
-    return total
+        if isinstance(t, DTensor):
+            dims = [i for i, placement in enumerate(t.placements) if placement.is_shard()]
+            if dims:
+                return t.device_mesh.get_group(dims[0])
+    return None
+
+
+def squared_norms(lists: list[list[Tensor]]) -> Tensor:
+    """Σ‖t‖² of each list of tensors, as one float64 vector: local shards summed on the device, then ONE all-reduce
+    over the shard group when they are DTensors (every rank gets the global values)."""
+    flat = [t for ts in lists for t in ts]
+    device = flat[0].device if flat else torch.device("cpu")
+    sums = [torch.stack([_local(t).double().square().sum() for t in ts]).sum() if ts else
+            torch.zeros((), dtype=torch.float64, device=device) for ts in lists]  # fmt: skip
+    out = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+    group = _shard_group(flat)
+    if group is not None:
+        dist.all_reduce(out, group=group)
+    return out
 
 
 class OptimizerTelemetry(Callback):
-    """Per-step optimizer telemetry, logged every ``log_every_n_steps`` (default: the Trainer's) at the global step.
+    """Optimizer telemetry, measured and logged every ``log_every_n_steps`` (default: the Trainer's) at the global
+    step by rank 0 to every logger (the values are already global). Other steps are not touched: no host
+    synchronization, no collective, no copy.
 
-    - ``optim/step_ms``: wall time from the end of backward to the end of ``optimizer.step`` (CUDA-synchronized).
+    - ``optim/step_ms``: wall time from the end of backward to the end of the training batch (CUDA events on GPUs,
+      read on the logging step).
     - ``optim/refresh``: 1 when the step ran NS5 refreshes, 0 on RowNorm steps (PeriodicRowwiseMuon).
     - ``optim/<branch>_bytes_sent`` / ``_bytes_received`` / ``_collectives``: ``comm_stats()`` since the last log.
-    - ``optim/grad_norm/group<i>`` and ``optim/update_rms/group<i>`` (RMS of the parameter change of that step).
+    - ``optim/nonfinite_skipped``: steps skipped for NaN/inf gradients so far.
+    - ``optim/grad_norm/group<i>`` and ``optim/update_rms/group<i>`` (RMS of the parameter change of that step): one
+      bucketed all-reduce for all groups.
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         super().__init__()
         self.log_every_n_steps = log_every_n_steps
-        self._start = 0.0
+        self._start: Any = None
         self._before: list[list[Tensor]] | None = None
-        self._grad_norms: list[float] = []
+        self._grad_sq: Tensor | None = None
 
     def _every(self, trainer: L.Trainer) -> int:
         return self.log_every_n_steps or trainer.log_every_n_steps or 1
@@ -49,37 +74,48 @@ class OptimizerTelemetry(Callback):
         return (trainer.global_step + 1) % self._every(trainer) == 0  # the step about to run
 
     @staticmethod
-    def _sync(pl_module: L.LightningModule) -> None:
+    def _clock(pl_module: L.LightningModule) -> Any:
         if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        if self._logging_now(trainer):
-            groups = optimizer.param_groups
-            self._grad_norms = [_sq_norm([p.grad for p in g["params"] if p.grad is not None]) ** 0.5 for g in groups]
-            self._before = [[p.detach().clone() for p in g["params"]] for g in groups]
-        self._sync(pl_module)
-        self._start = time.perf_counter()
+        if not self._logging_now(trainer):
+            return
+        groups = optimizer.param_groups
+        self._grad_sq = squared_norms([[p.grad for p in g["params"] if p.grad is not None] for g in groups])
+        self._before = [[p.detach().clone() for p in g["params"]] for g in groups]
+        self._start = self._clock(pl_module)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        self._sync(pl_module)
-        elapsed = time.perf_counter() - self._start
-        optimizer = trainer.optimizers[0]
         if self._before is None:
             return
-        values = {"optim/step_ms": 1e3 * elapsed}
+        end = self._clock(pl_module)
+        if isinstance(end, float):
+            elapsed_ms = 1e3 * (end - self._start)
+        else:
+            end.synchronize()  # the logging step only
+            elapsed_ms = self._start.elapsed_time(end)
+        optimizer = trainer.optimizers[0]
+        values = {"optim/step_ms": elapsed_ms}
         if isinstance(optimizer, PeriodicRowwiseMuon):
             values["optim/refresh"] = float(optimizer.last_branches["refresh"] > 0)
+            values["optim/nonfinite_skipped"] = float(optimizer.nonfinite_steps_skipped)
             for branch, stats in optimizer.comm_stats().items():
                 values.update({f"optim/{branch}_{k}": float(v) for k, v in stats.items()})
-        for i, (group, before) in enumerate(zip(optimizer.param_groups, self._before)):
+        groups = optimizer.param_groups
+        deltas = [[p.detach() - b for p, b in zip(g["params"], before)] for g, before in zip(groups, self._before)]
+        update_sq = squared_norms(deltas).tolist()
+        grad_sq = self._grad_sq.tolist()
+        for i, group in enumerate(groups):
             numel = sum(p.numel() for p in group["params"]) or 1
-            delta = _sq_norm([p.detach() - b for p, b in zip(group["params"], before)])
-            values[f"optim/update_rms/group{i}"] = (delta / numel) ** 0.5
-            values[f"optim/grad_norm/group{i}"] = self._grad_norms[i]
-        self._before = None
+            values[f"optim/update_rms/group{i}"] = (update_sq[i] / numel) ** 0.5
+            values[f"optim/grad_norm/group{i}"] = grad_sq[i] ** 0.5
+        self._before = self._grad_sq = None
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=trainer.global_step)

@@ -333,3 +333,44 @@ def test_nonfinite_gradient_on_a_rownorm_step_leaves_state_untouched(mode):
     after = (wide, tall, opt.state[tall]["momentum_buffer"], opt.state[wide]["momentum_buffer"])
     for before, now in zip(snapshot, after):
         assert torch.equal(before, now)
+
+
+# ---------------------------------------------------------------------------------------------- schedulers
+SCHEDULERS = {
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.05, 1e-3], total_steps=10),
+    "CyclicLR": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=[0.01, 1e-4], max_lr=[0.05, 1e-3],
+                                                              step_size_up=3),  # fmt: skip
+    "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
+    "LinearLR": lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_torch_lr_schedulers_drive_both_branches(name):
+    """Cyclic schedulers with cycle_momentum write group["momentum"]: Muon's β and AdamW's β1 both follow it."""
+    muon_p, adam_p = make_params([(8, 4)]), make_params([(4,)])
+    opt = PeriodicRowwiseMuon([{"params": muon_p}, {"params": adam_p, "use_muon": False}], lr=0.02, adamw_lr=1e-3)
+    scheduler = SCHEDULERS[name](opt)
+    seen = []
+    for _ in range(6):
+        for p in muon_p + adam_p:
+            p.grad = torch.randn(p.shape)
+        opt.step()  # AdamW's betas[0] is set to the momentum it used
+        seen.append([(g["lr"], g["momentum"], tuple(g.get("betas", (None,)))[0]) for g in opt.param_groups])
+        scheduler.step()
+    assert len({s[0][0] for s in seen}) > 1  # the Muon lr moved
+    if name in ("OneCycleLR", "CyclicLR"):
+        assert len({s[0][1] for s in seen}) > 1 and all(s[1][1] == s[1][2] for s in seen)  # momentum cycled
+    assert all(torch.isfinite(p).all() for p in muon_p + adam_p)
+
+
+def test_tensor_lr_equals_float_lr():
+    a, b = make_params([(8, 4), (4,)]), make_params([(8, 4), (4,)])
+    opts = [PeriodicRowwiseMuon([{"params": ps[:1]}, {"params": ps[1:], "use_muon": False}], lr=lr, adamw_lr=lr,
+                                weight_decay=0.1, ns_dtype=torch.float32)
+            for ps, lr in ((a, 0.02), (b, torch.tensor(0.02)))]  # fmt: skip
+    run([(opts[0], a), (opts[1], b)], steps=4)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        PeriodicRowwiseMuon(make_params([(4, 4)]), lr=torch.tensor(-1.0))
