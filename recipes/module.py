@@ -111,6 +111,8 @@ class DiTModule(L.LightningModule):
             ``"bfloat16"`` or ``"float32"``. They are replicated on every rank, outside FSDP and checkpoints.
         gradient_checkpointing: recompute each transformer block in backward (diffusers' activation
             checkpointing): activations drop from every block's intermediates to one input per block.
+        nonfinite: what the optimizer does with a NaN/inf gradient: ``"skip"`` the step (on the device, counted in
+            ``optim/nonfinite_skipped`` by ``OptimizerTelemetry``), ``"raise"`` or ``"ignore"``.
     """
 
     def __init__(
@@ -140,12 +142,14 @@ class DiTModule(L.LightningModule):
         val_timesteps: int = 8,
         frozen_dtype: str = "auto",
         gradient_checkpointing: bool = False,
+        nonfinite: str = "skip",
     ) -> None:
         super().__init__()
         for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("objective", objective, OBJECTIVES),
                                      ("timestep_sampling", timestep_sampling, ("logit_normal", "uniform")),
                                      ("schedule", schedule, ("cosine", "constant")),
-                                     ("architecture", architecture, ARCHITECTURES)):  # fmt: skip
+                                     ("architecture", architecture, ARCHITECTURES),
+                                     ("nonfinite", nonfinite, ("skip", "raise", "ignore"))):  # fmt: skip
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
         if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
@@ -349,7 +353,7 @@ class DiTModule(L.LightningModule):
             groups = muon_param_groups(self.model, adamw=adamw)
         opt = PeriodicRowwiseMuon(groups, lr=h.lr, period=1 if h.optimizer == "muon" else h.period,
                                   rownorm_scale=h.rownorm_scale, momentum=h.momentum, weight_decay=h.weight_decay,
-                                  adjust_lr=h.adjust_lr, ns_dtype=h.ns_dtype)  # fmt: skip
+                                  adjust_lr=h.adjust_lr, ns_dtype=h.ns_dtype, nonfinite=h.nonfinite)  # fmt: skip
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
 
         def factor(step: int) -> float:

@@ -114,3 +114,24 @@ def test_nonfinite_gradient_on_one_rank_is_skipped_by_all(period, bad_step, mode
 def test_nonfinite_raise_mode_raises_on_every_rank(mode):
     results = run_distributed(nonfinite_consensus_worker, 2, 1, mode, "raise", 1)
     assert all(isinstance(out, str) and "Non-finite" in out for out, _ in results), results
+
+
+def test_scale_model_byte_accounting_equals_measured_comm_stats(sharded):
+    """benchmarks/scale_model.py projects to 256 GPUs with comm_per_rank: at 2 and 3 ranks it must reproduce what
+    every rank's comm_stats() measured, byte for byte, for both refresh modes and RowNorm steps."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "scale_model.py"
+    spec = importlib.util.spec_from_file_location("scale_model", path)
+    scale_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale_model)
+    world, results = sharded
+    for case, (period, mode, dtype) in enumerate(CASES):
+        for rank in range(world):
+            model = scale_model.comm_per_rank(SHAPES, world, rank, mode, dtype.itemsize, int(0.01 * 2**20))
+            steps = results[rank][case]["steps"]
+            assert steps[0]["stats"]["refresh"] == model["refresh"]
+            assert steps[0]["ns_flops"] == model["ns_flops"]
+            if period > 1:
+                assert steps[1]["stats"]["rownorm"] == model["rownorm"]

@@ -11,7 +11,7 @@ FSDP2 splits a parameter's rows like ``torch.chunk``: with ``c = ceil(m / W)`` r
   - ``gather`` (the paper): the look-ahead momentum of bucket i+1 is all-gathered while NS5 runs on bucket i; every
     rank orthogonalizes every matrix and keeps its rows.
   - ``scatter`` (dion / torchtitan style): each matrix has one owner rank (largest NS5 cost first onto the least
-    loaded rank, over all matrices of the step); per bucket one all-to-all sends shards to owners and one sends
+    loaded rank, over all matrices of the step at once); per bucket one all-to-all sends shards to owners and one sends
     orthogonalized rows back, both asynchronous: bucket i+1 travels to its owners and bucket i-1's rows travel back
     while owners run NS5 on bucket i.
 
@@ -285,10 +285,10 @@ def gather_refresh(
     return ok, sum(ns_flops(it.shard.shape, it.ns_steps) for it in items)
 
 
-def assign_owners(costs: Sequence[int], world: int, load: list[int] | None = None) -> list[int]:
-    """Owner rank of each matrix: largest NS5 cost first onto the least-loaded rank (deterministic on all ranks).
-    ``load`` (per rank, updated in place) carries the balance across calls."""
-    load = [0] * world if load is None else load
+def assign_owners(costs: Sequence[int], world: int) -> list[int]:
+    """Owner rank of each matrix: largest NS5 cost first onto the least-loaded rank (deterministic on all ranks;
+    the busiest rank exceeds the mean by at most one matrix)."""
+    load = [0] * world
     owners = [0] * len(costs)
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         owners[i] = min(range(world), key=lambda r: (load[r], r))
@@ -307,11 +307,11 @@ def scatter_refresh(
 ) -> tuple[Tensor | None, int]:
     """Owner mode, bucketed and overlapped: per bucket an async all-to-all sends shards to their owners, owners run
     NS5 once per matrix, a second async all-to-all returns each rank its rows; bucket i+1 travels to its owners and
-    bucket i-1's rows travel back while bucket i is orthogonalized. Owners are balanced by NS5 FLOPs over the whole
-    step (the load carries from bucket to bucket). A ``flag`` rides the first all-to-all (one element to every rank).
+    bucket i-1's rows travel back while bucket i is orthogonalized. Owners are balanced by NS5 FLOPs over all the
+    matrices of the step at once. A ``flag`` rides the first all-to-all (one element to every rank).
     Returns the verdict and the NS5 FLOPs of this rank."""
     group, world, rank = items[0].shard.group, items[0].shard.world, items[0].shard.rank
-    load = [0] * world
+    owner_of = assign_owners([ns_flops(it.shard.shape, it.ns_steps) for it in items], world)  # over the whole step
 
     def exchange(send_parts: list[list[Tensor]], recv_sizes: list[int], dtype, device):
         send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
@@ -326,10 +326,9 @@ def scatter_refresh(
     def forward(index: list[int], with_flag: bool):
         bucket = [items[i] for i in index]
         dtype, device = bucket[0].dtype, bucket[0].weight.device
-        owners = assign_owners([ns_flops(it.shard.shape, it.ns_steps) for it in bucket], world, load)
         owned_by = defaultdict(list)
-        for j, owner in enumerate(owners):
-            owned_by[owner].append(j)
+        for j, i in enumerate(index):
+            owned_by[owner_of[i]].append(j)
         looks = [it.lookahead() for it in bucket]
         extra = [flag.reshape(1)] if with_flag else []
         send = [[looks[j][1] for j in owned_by[d]] + extra for d in range(world)]
