@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lightning_muon import muon_param_groups
-from lightning_muon.optim.distributed import RowShard, assign_owners
+from lightning_muon.optim.distributed import RowShard, assign_owners, bucket_indices
 from lightning_muon.optim.kernels import ns_flops, row_norm_dim
 from lightning_muon.recipes.cli import SHIPPED_CONFIGS, load_config
 from lightning_muon.recipes.module import build_transformer
@@ -45,18 +45,6 @@ def muon_shapes(config: dict) -> tuple[list[tuple[int, int]], int, int]:
     return shapes, sum(p.numel() for p in model.parameters()), sum(math.prod(s) for s in shapes)
 
 
-def buckets(shards: list[RowShard], itemsize: int, bucket_bytes: int) -> list[list[int]]:
-    """The optimizer's refresh buckets (``distributed._buckets``, one dtype)."""
-    out, current, size = [], [], 0
-    for i, s in enumerate(shards):
-        current.append(i)
-        size += s.world * s.chunk * s.shape[1] * itemsize
-        if size >= bucket_bytes:
-            out.append(current)
-            current, size = [], 0
-    return out + ([current] if current else [])
-
-
 def comm_per_rank(shapes, world: int, rank: int, mode: str, itemsize: int = 2, bucket_bytes: int = 64 * 2**20,
                   flag: bool = True) -> dict:  # fmt: skip
     """What ``comm_stats()`` of ``rank`` reports for one refresh step and one RowNorm step, and its NS5 FLOPs."""
@@ -64,7 +52,8 @@ def comm_per_rank(shapes, world: int, rank: int, mode: str, itemsize: int = 2, b
     refresh = {"bytes_sent": 0, "bytes_received": 0, "collectives": 0}
     flops = 0
     owner_of = assign_owners([ns_flops(s.shape) for s in shards], world)
-    for b, index in enumerate(buckets(shards, itemsize, bucket_bytes)):
+    dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
+    for b, index in enumerate(bucket_indices(shards, [dtype] * len(shards), bucket_bytes)):
         extra = int(flag and b == 0)
         if mode == "gather":
             send = sum(shards[i].chunk * shards[i].shape[1] for i in index) + extra

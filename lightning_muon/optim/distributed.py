@@ -40,6 +40,7 @@ __all__ = [
     "RowShard",
     "apply_refresh",
     "assign_owners",
+    "bucket_indices",
     "flag_ok",
     "gather_refresh",
     "local_refresh",
@@ -149,11 +150,14 @@ class RefreshItem:
     decay: float | Tensor
     scale: float | Tensor
     ns_key: tuple  # (dtype, steps, coefficients, eps): matrices with equal keys and shapes are batched
-    ns_steps: int = 5
 
     @property
     def dtype(self) -> torch.dtype:
         return self.ns_key[0]
+
+    @property
+    def ns_steps(self) -> int:
+        return self.ns_key[1]
 
     def lookahead(self) -> tuple[Tensor, Tensor]:
         """``(M_new, N)`` out of place, op for op as torch.optim.Muon; nothing is written."""
@@ -186,20 +190,23 @@ def apply_refresh(items: Sequence[RefreshItem], m_news: Sequence[Tensor], orthos
             torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
 
 
-def _buckets(items: Sequence[RefreshItem], bucket_bytes: int) -> list[list[int]]:
+def bucket_indices(shards: Sequence[RowShard], dtypes: Sequence[torch.dtype], bucket_bytes: int) -> list[list[int]]:
     """Consecutive index groups of one NS dtype whose full (padded) size reaches ``bucket_bytes`` at most once."""
     buckets, current, size = [], [], 0
-    for i, it in enumerate(items):
-        if current and it.dtype != items[current[0]].dtype:
+    for i, (s, dtype) in enumerate(zip(shards, dtypes)):
+        if current and dtype != dtypes[current[0]]:
             buckets.append(current)
             current, size = [], 0
-        s = it.shard
         current.append(i)
-        size += s.world * s.chunk * s.shape[1] * it.dtype.itemsize
+        size += s.world * s.chunk * s.shape[1] * dtype.itemsize
         if size >= bucket_bytes:
             buckets.append(current)
             current, size = [], 0
     return buckets + ([current] if current else [])
+
+
+def _buckets(items: Sequence[RefreshItem], bucket_bytes: int) -> list[list[int]]:
+    return bucket_indices([it.shard for it in items], [it.dtype for it in items], bucket_bytes)
 
 
 def local_refresh(items: Sequence[RefreshItem], orthogonalize: Orthogonalize, bucket_bytes: int,

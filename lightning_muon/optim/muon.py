@@ -461,7 +461,7 @@ class PeriodicRowwiseMuon(Optimizer):
             decay, scale = self._scales(group, work.shards[i].shape)
             buf = _local(self.state[work.params[i]]["momentum_buffer"])
             items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
-                                     group["nesterov"], decay, scale, key, group["ns_steps"]))  # fmt: skip
+                                     group["nesterov"], decay, scale, key))  # fmt: skip
         return items
 
     def _rownorm(self, group: dict[str, Any], work: _Work, ok: Tensor | None) -> None:
