@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.generation import HPSv2Score, ensure_reference
 from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import build_metrics
@@ -61,9 +62,7 @@ def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if path.is_file() else ""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(old + json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tmp.write_text(old + json.dumps(row) + "\n"))
 
 
 def _world() -> tuple[int, int]:
@@ -243,16 +242,41 @@ class GenerationEvaluation(Callback):
         images = pl_module.generate(condition, [self.seed], 1, 1.0, batch_size=1)
         check_generated_images(images)
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(metrics=self.metric_names, every_n_steps=self.every_n_steps)
+
+    def _due(self, step: int) -> bool:
+        return bool(self.every_n_steps) and step > 0 and step % self.every_n_steps == 0 and step != self._last_step
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A run resumed at a step whose evaluation did not finish (a checkpoint written on an exception or
+        preemption during it) evaluates that step now."""
+        if self._due(trainer.global_step):
+            self.evaluate(trainer, pl_module)
+
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        step = trainer.global_step
-        if self.every_n_steps and step % self.every_n_steps == 0 and step != self._last_step:
+        if self._due(trainer.global_step):
             self.evaluate(trainer, pl_module)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if self.on_checkpoint and trainer.training and trainer.global_step != self._last_step:
             self.evaluate(trainer, pl_module)
+            checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()  # taken before this hook
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The evaluations done so far (``history``: step and values), so a resumed run neither repeats nor loses
+        one."""
+        return {"history": list(self.history)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = list(state_dict.get("history", []))
+        self._last_step = max((int(row["step"]) for row in self.history), default=-1)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

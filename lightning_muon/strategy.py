@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import re
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,6 +35,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_muon.checkpoint import (
+    META_FILE,
+    atomic_write,
+    checkpoint_problem,
+    is_distributed_checkpoint,
+    load_distributed,
+    remove_checkpoint,
+    resolve_checkpoint,
+    save_distributed_checkpoint,
+)
 from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.distributed import row_shard
 
@@ -123,7 +134,9 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: write torch.distributed.checkpoint directories (resumable on any device
             count); ``False`` gathers one full checkpoint file on rank 0.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
-        timeout: collective timeout.
+        timeout: collective timeout of the process group (a ``timedelta`` or seconds). A rank that raises makes the
+            others fail at their next collective within a second (they do not wait for this timeout), so it only
+            bounds a rank that hangs without failing.
     """
 
     strategy_name = "muon_fsdp"
@@ -135,8 +148,10 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
     ) -> None:
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
@@ -215,10 +230,98 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                     except ValueError as err:
                         raise ValueError(f"Muon parameter {name}: {err}") from err
 
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Crash-consistent saves: a distributed checkpoint is written beside its target and renamed into place when
+        complete (:func:`~lightning_muon.checkpoint.save_distributed_checkpoint`); a full one is written by rank 0
+        under a temporary name. Every rank's dataloader position is kept (``combined_loader_per_rank``)."""
+        if storage_options is not None:
+            raise TypeError("muon_fsdp writes checkpoints itself: storage_options is not supported.")
+        path = Path(self.broadcast(str(filepath)))
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if "combined_loader" in fit_state and torch.distributed.is_initialized():
+            per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(per_rank, fit_state["combined_loader"])
+            fit_state["combined_loader_per_rank"] = per_rank
+        if not self._save_distributed_checkpoint:
+            if self.is_global_zero:
+                if path.is_dir():
+                    remove_checkpoint(path)
+                atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+            return
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        save_distributed_checkpoint(state, checkpoint, path, self.global_rank, self.barrier)
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Give the (distributed) sampler the fit loop's epoch before Lightning creates the first iterator: a run
+        resumed mid-epoch otherwise fast-forwards through the epoch-0 permutation (Lightning issue #21938)."""
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training:
+            loop, epoch = trainer.fit_loop, trainer.fit_loop.epoch_progress.current.processed
+            progress = loop.epoch_progress.total
+            if progress.processed == progress.started - 1 and loop.epoch_loop.batch_progress.is_last_batch:
+                epoch += 1  # resumed at an epoch's last batch: Lightning ends that epoch right after this
+            _set_sampler_epoch(dataloader, epoch)
+        return dataloader
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Resume from a checkpoint, or from the newest complete one under a directory. Nothing is unpickled beyond
+        tensors and plain containers; an incomplete or damaged checkpoint is refused before any state is touched.
+        Each rank gets back its own dataloader position when the device count is unchanged."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = resolve_checkpoint(self.broadcast(str(checkpoint_path)))
+        if not is_distributed_checkpoint(path):
+            meta = super().load_checkpoint(path, weights_only=True)
+        else:
+            if problem := checkpoint_problem(path):
+                raise ValueError(f"Cannot resume from {path}: {problem}. Pass the checkpoint directory instead to "
+                                 "resume from the newest complete checkpoint in it.")  # fmt: skip
+            assert self.model is not None and self.lightning_module is not None
+            model_state = {"state_dict": get_model_state_dict(self.model)}
+            load_distributed(model_state, path)
+            self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+            for i, optimizer in enumerate(self.optimizers):
+                key = f"optimizer_{i}"
+                optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
+                load_distributed(optim_state, path)
+                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
+                                         options=StateDictOptions(cpu_offload=True))  # fmt: skip
+            meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+        _restore_loader_position(meta.get("loops", {}).get("fit_loop", {}), self.global_rank, self.world_size)
+        return meta
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + PeriodicRowwiseMuon (lightning-muon)")
+
+
+def _restore_loader_position(fit_loop: dict[str, Any], rank: int, world_size: int) -> None:
+    """This rank's saved dataloader position when the device count is unchanged (rank 0's otherwise). A checkpoint
+    taken at the last batch of an epoch resumes at the next epoch's start: Lightning ends the epoch on restart, and
+    the old position applied to the new epoch would skip all of it."""
+    state = fit_loop.get("state_dict", {})
+    per_rank = state.pop("combined_loader_per_rank", None)
+    if per_rank is not None and len(per_rank) == world_size:
+        state["combined_loader"] = per_rank[rank]
+    if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
+        state.pop("combined_loader", None)
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -150,6 +150,9 @@ class InceptionFeatures(FeatureExtractor):
             )
         from torchmetrics.image.fid import NoTrainInceptionV3
 
+        from lightning_muon.checkpoint import check_weights_file
+
+        check_weights_file(path, "InceptionV3 weights")  # torch-fidelity unpickles it with weights_only=False
         self.model = NoTrainInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(path))
 
     def features(self, images: Tensor) -> Tensor:
@@ -284,8 +287,6 @@ def _train_digits_classifier(epochs: int = 300, seed: int = 0) -> dict[str, Tens
 
 def atomic_save(obj: object, path: str | os.PathLike) -> None:
     """``torch.save`` to a temporary file beside ``path``, then rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    from lightning_muon.checkpoint import atomic_write
+
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))

@@ -44,6 +44,17 @@ def load_config(*paths: str | Path) -> dict:
     return config
 
 
+class MuonCLI(LightningCLI):
+    """LightningCLI where ``fit --ckpt_path DIR`` resumes from the newest complete checkpoint under ``DIR``."""
+
+    def before_fit(self) -> None:
+        from lightning_muon.checkpoint import resolve_checkpoint
+
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") not in (None, "last", "best", "hpc"):
+            config["ckpt_path"] = str(resolve_checkpoint(config["ckpt_path"]))
+
+
 def main(args: list[str] | None = None) -> None:
     """``lightning-muon evaluate ...`` evaluates checkpoints; every other subcommand is LightningCLI's."""
     import sys
@@ -53,7 +64,7 @@ def main(args: list[str] | None = None) -> None:
         from lightning_muon.recipes.evaluate import main as evaluate
 
         return evaluate(argv[1:])
-    LightningCLI(
+    MuonCLI(
         DiTModule,
         L.LightningDataModule,
         subclass_mode_data=True,

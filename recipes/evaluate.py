@@ -24,6 +24,13 @@ from typing import Any
 import torch
 
 from lightning_muon.callbacks.generation import prepare_references, score_generation
+from lightning_muon.checkpoint import (
+    META_FILE,
+    atomic_write,
+    checkpoint_problem,
+    is_distributed_checkpoint,
+    load_distributed,
+)
 from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
@@ -34,21 +41,17 @@ __all__ = ["checkpoint_meta", "find_checkpoints", "load_generator", "main", "mod
 log = logging.getLogger(__name__)
 
 
-def _is_distributed_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / ".metadata").is_file()
-
-
 def find_checkpoints(run: str) -> list[Path]:
     """Checkpoints under a run directory (or matching a glob): ``*.ckpt`` files and distributed-checkpoint
     directories, ``last.ckpt`` excluded (it repeats another step)."""
     roots = [Path(p) for p in sorted(glob.glob(run))] or [Path(run)]
     found: list[Path] = []
     for root in roots:
-        if root.suffix == ".ckpt" and (root.is_file() or _is_distributed_checkpoint(root)):
+        if root.suffix == ".ckpt" and (root.is_file() or is_distributed_checkpoint(root)):
             found.append(root)
             continue
         for path in sorted(root.rglob("*.ckpt")):
-            if path.name != "last.ckpt" and (path.is_file() or _is_distributed_checkpoint(path)):
+            if path.name != "last.ckpt" and (path.is_file() or is_distributed_checkpoint(path)):
                 found.append(path)
     return found
 
@@ -56,8 +59,8 @@ def find_checkpoints(run: str) -> list[Path]:
 def checkpoint_meta(path: Path) -> dict[str, Any]:
     """A checkpoint's ``hyper_parameters``, ``global_step`` and the rest, without its tensors: ``meta.pt`` beside a
     distributed checkpoint's shards, or the single file memory-mapped (``torch.load(weights_only=True)``)."""
-    if _is_distributed_checkpoint(path):
-        return torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+    if is_distributed_checkpoint(path):
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
 
@@ -82,6 +85,8 @@ def load_generator(path: Path, device: torch.device, dtype: torch.dtype = torch.
     """The sampling network of a checkpoint — its EMA weights when it has them, else the trained ones — and the
     checkpoint's metadata. Only those weights are read (from a distributed checkpoint with a partial
     ``torch.distributed.checkpoint.load``), never the optimizer state or the other copy, directly in ``dtype``."""
+    if problem := checkpoint_problem(path):
+        raise ValueError(f"Checkpoint {path} is incomplete or damaged: {problem}")
     meta = checkpoint_meta(path)
     hparams = meta.get("hyper_parameters") or {}
     module = module_from_hparams(hparams)
@@ -90,10 +95,8 @@ def load_generator(path: Path, device: torch.device, dtype: torch.dtype = torch.
     module.on_materialized()  # buffers that are not in the state dict (sin-cos position tables)
     target = net.state_dict()
     try:
-        if _is_distributed_checkpoint(path):
-            import torch.distributed.checkpoint as dcp
-
-            dcp.load({"state_dict": {prefix + k: v for k, v in target.items()}}, checkpoint_id=str(path))
+        if is_distributed_checkpoint(path):
+            load_distributed({"state_dict": {prefix + k: v for k, v in target.items()}}, path)
         else:
             saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
             net.load_state_dict({k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)})
@@ -111,12 +114,14 @@ def _read_rows(path: Path) -> list[dict[str, str]]:
 
 def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     columns = ["run", "checkpoint", "step"] + sorted({k for r in rows for k in r} - {"run", "checkpoint", "step"})
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, columns)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    atomic_write(path, write)
 
 
 def write_markdown(rows: list[dict[str, Any]], path: Path) -> None:
@@ -225,8 +230,14 @@ def main(argv: list[str] | None = None) -> None:
     todo = [(run, ckpt) for run, ckpt in todo if (run, str(ckpt)) not in done]
     if not todo and not rows:
         raise SystemExit(f"No checkpoints found under {args.runs}.")
+    failed: list[str] = []
     for run, ckpt in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not rank0):
-        module, meta = load_generator(ckpt, device, dtype)
+        try:
+            module, meta = load_generator(ckpt, device, dtype)
+        except (ValueError, OSError) as err:  # a bad checkpoint is reported; the sweep goes on
+            failed.append(f"{ckpt}: {err}")
+            log.error("Skipping %s: %s", ckpt, err)
+            continue
         hparams = meta.get("hyper_parameters") or {}
         num_classes = args.num_classes or hparams.get("num_classes", 10)
         values, _ = score_generation(module, metrics, args.num_samples, num_classes, args.seed,
@@ -242,8 +253,14 @@ def main(argv: list[str] | None = None) -> None:
             print(path)
         print(csv_path)
         print(out / "results.md")
+        if failed:
+            atomic_write(out / "errors.txt", lambda tmp: tmp.write_text("\n".join(failed) + "\n"))
+            print(f"{len(failed)} checkpoint(s) could not be evaluated (listed in {out / 'errors.txt'}):")
+            print("\n".join(f"  {line}" for line in failed))
     if dist.is_initialized():
         dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

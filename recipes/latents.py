@@ -57,9 +57,7 @@ def write_latent_shard(path: str | os.PathLike, latents: Tensor, **conditions: T
     if any(len(t) != len(latents) for t in tensors.values()):
         rows = {k: len(v) for k, v in tensors.items()}
         raise ValueError(f"Every tensor of a shard needs one row per sample, got {rows}.")
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-    tmp.replace(path)
+    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
 
 
 def read_safetensors_header(path: str | os.PathLike) -> tuple[int, dict[str, dict[str, Any]]]:
@@ -100,9 +98,7 @@ def write_manifest(root: str | os.PathLike, shards: Sequence[str | os.PathLike] 
         entries.append({"file": path.name, "num_samples": rows.pop()})
     manifest = {"format": FORMAT, "num_samples": sum(e["num_samples"] for e in entries), "schema": schema,
                 "shards": entries}  # fmt: skip
-    tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(root / MANIFEST)
+    atomic_write(root / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
     return root / MANIFEST
 
 

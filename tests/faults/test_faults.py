@@ -1,0 +1,297 @@
+"""Faults and hostile input: no loader runs code from a file, a failing rank ends the job in seconds, a rank killed
+while training or saving leaves nothing partial that a resume would trust, an evaluation cut short is redone.
+
+Each payload is a pickle whose loading would create ``marker``: the loaders must refuse it and the file must not
+appear; the controls show that torch's / torch-fidelity's own loaders do run it (so the payloads are live).
+"""
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import free_port, random_inception_state_dict, tiny_dinov2, tiny_open_clip_config, tiny_vae
+
+from lightning_muon.checkpoint import (
+    atomic_write,
+    check_weights_file,
+    checkpoint_problem,
+    load_distributed,
+    newest_checkpoint,
+    remove_checkpoint,
+)
+
+HARNESS = Path(__file__).parent / "harness.py"
+
+
+class Payload:
+    """Unpickling it calls ``Path(marker).touch()``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (Path(self.marker),)
+
+
+def distributed_checkpoint(path: Path, extra: dict | None = None, meta: dict | None = None) -> Path:
+    """A single-process torch.distributed.checkpoint directory with Lightning's ``meta.pt``."""
+    dcp.save({"state_dict": {"w": torch.arange(6.0).view(2, 3)}, **(extra or {})}, checkpoint_id=path)
+    torch.save(meta if meta is not None else {"global_step": 3}, path / "meta.pt")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- hostile files
+def _dcp_metadata(tmp_path, marker):
+    path = distributed_checkpoint(tmp_path / "x.ckpt")
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    return path
+
+
+def _dcp_bytes_entry(tmp_path, marker):
+    return distributed_checkpoint(tmp_path / "x.ckpt", extra={"obj": Payload(marker)})
+
+
+def _meta_pt(tmp_path, marker):
+    return distributed_checkpoint(tmp_path / "x.ckpt", meta={"global_step": Payload(marker)})
+
+
+def _single_file(tmp_path, marker):
+    torch.save({"state_dict": {}, "global_step": 1, "x": Payload(marker)}, tmp_path / "x.ckpt")
+    return tmp_path / "x.ckpt"
+
+
+def _weights_file(tmp_path, marker, name="weights.pth"):
+    torch.save({"weight": Payload(marker)}, tmp_path / name)
+    return tmp_path / name
+
+
+def load_resume(path):
+    """What ``muon_fsdp`` resume and ``lightning-muon evaluate`` read from a checkpoint, in their order."""
+    if problem := checkpoint_problem(path):
+        raise ValueError(problem)
+    load_distributed({"state_dict": {"w": torch.zeros(2, 3)}, "obj": 0}, path)
+
+
+def load_evaluate(path):
+    from lightning_muon.recipes.evaluate import load_generator
+
+    load_generator(path, torch.device("cpu"))
+
+
+def load_inception(tmp_path, marker):
+    from lightning_muon.metrics.features import InceptionFeatures
+
+    InceptionFeatures(weights=_weights_file(tmp_path, marker))
+
+
+def load_clip(tmp_path, marker):
+    from lightning_muon.metrics.features import load_open_clip
+
+    tiny_open_clip_config(tmp_path)
+    load_open_clip("tiny-test-clip", _weights_file(tmp_path, marker))
+
+
+def load_digits_classifier(tmp_path, marker):
+    from lightning_muon.metrics.features import DigitsFeatures
+
+    DigitsFeatures(path=_weights_file(tmp_path, marker))
+
+
+def load_reference_cache(tmp_path, marker):
+    from helpers import digits_metrics
+
+    metric = digits_metrics(tmp_path / "classifier.pt")["fd_digits"]
+    metric.load_reference(_weights_file(tmp_path, marker, "reference.pt"))
+
+
+def load_dinov2_dir(tmp_path, marker):
+    from lightning_muon.metrics.features import DinoV2Features
+
+    path = tiny_dinov2(tmp_path / "dino")
+    (path / "model.safetensors").unlink()
+    torch.save({"embeddings.cls_token": Payload(marker)}, path / "pytorch_model.bin")
+    DinoV2Features(weights=path)
+
+
+def load_vae_dir(tmp_path, marker):
+    from diffusers import AutoencoderKL
+
+    from lightning_muon.recipes.module import _load_local
+
+    path = tiny_vae(tmp_path / "vae")
+    (path / "diffusion_pytorch_model.safetensors").unlink()
+    torch.save({"encoder.conv_in.weight": Payload(marker)}, path / "diffusion_pytorch_model.bin")
+    _load_local(AutoencoderKL, str(path), "vae_path")
+
+
+CHECKPOINT_LOADERS = {
+    "dcp-metadata/resume": (_dcp_metadata, load_resume),
+    "dcp-metadata/evaluate": (_dcp_metadata, load_evaluate),
+    "dcp-bytes-entry/resume": (_dcp_bytes_entry, load_resume),
+    "meta.pt/resume": (_meta_pt, load_resume),
+    "meta.pt/evaluate": (_meta_pt, load_evaluate),
+    "single-file/evaluate": (_single_file, load_evaluate),
+}
+WEIGHT_LOADERS = {
+    "inception": load_inception,
+    "open_clip": load_clip,
+    "digits-classifier": load_digits_classifier,
+    "reference-cache": load_reference_cache,
+    "dinov2-dir": load_dinov2_dir,
+    "vae-dir": load_vae_dir,
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHECKPOINT_LOADERS))
+def test_checkpoint_payload_never_runs(tmp_path, case):
+    make, load = CHECKPOINT_LOADERS[case]
+    marker = tmp_path / "pwned"
+    path = make(tmp_path, marker)
+    with pytest.raises(Exception) as info:
+        load(path)
+    assert not marker.exists(), f"{case}: the payload ran"
+    assert "pwned" not in str(info.value) or "refused" in str(info.value)
+    assert newest_checkpoint(tmp_path) is None  # resume from the directory skips it too
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHT_LOADERS))
+def test_weight_file_payload_never_runs(tmp_path, case):
+    marker = tmp_path / "pwned"
+    with pytest.raises(Exception):  # noqa: B017 - each loader has its own (clear) error type
+        WEIGHT_LOADERS[case](tmp_path, marker)
+    assert not marker.exists(), f"{case}: the payload ran"
+
+
+def test_controls_torchs_and_torch_fidelitys_own_loaders_run_the_payloads(tmp_path):
+    """The payloads are live: the readers we replace execute them."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    marker = tmp_path / "pwned_metadata"
+    path = _dcp_metadata(tmp_path / "a", marker)
+    with pytest.raises(BaseException):  # noqa: B017 - torch's CheckpointException is a BaseException
+        dcp.load({"state_dict": {"w": torch.zeros(2, 3)}}, checkpoint_id=path)
+    assert marker.exists()
+
+    marker = tmp_path / "pwned_bytes"
+    path = _dcp_bytes_entry(tmp_path / "b", marker)
+    try:
+        dcp.load({"state_dict": {"w": torch.zeros(2, 3)}, "obj": 0}, checkpoint_id=path)
+    except BaseException:  # noqa: BLE001, S110 - what matters is that it ran
+        pass
+    assert marker.exists()
+
+    marker = tmp_path / "pwned_inception"
+    with pytest.raises(Exception):  # noqa: B017
+        FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
+                                    feature_extractor_weights_path=str(_weights_file(tmp_path, marker)))  # fmt: skip
+    assert marker.exists()
+
+
+def test_real_inception_weights_pass_the_check(tmp_path):
+    torch.save(random_inception_state_dict(), tmp_path / "pt_inception.pth")
+    check_weights_file(tmp_path / "pt_inception.pth", "InceptionV3 weights")
+
+
+# ------------------------------------------------------------------------------------ partial state is refused
+def test_checkpoint_problem_finds_every_kind_of_partial_checkpoint(tmp_path):
+    good = distributed_checkpoint(tmp_path / "good.ckpt")
+    assert checkpoint_problem(good) is None
+    shard = next(good.glob("*.distcp"))
+    for name, damage in {
+        "truncated-shard": lambda p: (p / shard.name).write_bytes((p / shard.name).read_bytes()[:10]),
+        "missing-shard": lambda p: (p / shard.name).unlink(),
+        "missing-meta": lambda p: (p / "meta.pt").unlink(),
+        "garbage-metadata": lambda p: (p / ".metadata").write_bytes(b"\x80\x04garbage"),
+    }.items():
+        bad = distributed_checkpoint(tmp_path / f"{name}.ckpt")
+        damage(bad)
+        assert checkpoint_problem(bad) is not None, name
+    (tmp_path / "empty.ckpt").write_bytes(b"")
+    assert checkpoint_problem(tmp_path / "empty.ckpt") is not None
+    assert newest_checkpoint(tmp_path) == (good, 3)
+
+
+def test_newest_checkpoint_takes_the_highest_step_and_restores_an_interrupted_replacement(tmp_path):
+    distributed_checkpoint(tmp_path / "step=2.ckpt", meta={"global_step": 2})
+    distributed_checkpoint(tmp_path / ".last.ckpt.old", meta={"global_step": 5})  # killed between the renames
+    distributed_checkpoint(tmp_path / ".last.ckpt.partial", meta={"global_step": 6})  # never trusted
+    assert newest_checkpoint(tmp_path) == (tmp_path / "last.ckpt", 5)
+    remove_checkpoint(tmp_path / "last.ckpt")
+    assert newest_checkpoint(tmp_path) == (tmp_path / "step=2.ckpt", 2)
+
+
+def test_atomic_write_leaves_no_temporaries_and_clears_those_of_dead_writers(tmp_path):
+    import socket
+
+    stale = tmp_path / f".f.txt.{socket.gethostname()}-999999999.tmp"  # no such pid
+    stale.write_text("half")
+    atomic_write(tmp_path / "f.txt", lambda tmp: tmp.write_text("whole"))
+    with pytest.raises(ZeroDivisionError):
+        atomic_write(tmp_path / "f.txt", lambda tmp: (tmp.write_text("partial"), 1 / 0))
+    assert (tmp_path / "f.txt").read_text() == "whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+
+
+# ------------------------------------------------------------------------------------------ failing ranks
+@pytest.fixture(scope="module")
+def raise_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("raise")
+    subprocess.run([sys.executable, str(HARNESS), "raise", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)  # fmt: skip
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", range(4), ids=["w2-rank1", "w2-rank0", "w3-rank0", "w3-rank2"])
+def test_a_rank_that_raises_ends_every_rank_within_seconds(raise_report, case):
+    row = raise_report[case]
+    assert row["codes"] == [1] * row["world"], row  # every rank non-zero, none hung
+    assert row["original_error_logged"]
+    assert not row["timeout_in_any_log"]
+    assert row["seconds_to_all_exited"] < 10, row  # the process-group timeout is 300 s
+
+
+@pytest.mark.distributed
+def test_torchrun_reports_the_failing_rank_as_root_cause(tmp_path):
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), str(HARNESS), "run", "--fail-rank", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    wall = time.time() - start
+    assert proc.returncode != 0
+    assert "RuntimeError: injected failure on rank 1 at step 2" in proc.stderr + proc.stdout
+    root_cause = (proc.stderr + proc.stdout).split("Root Cause")[-1]
+    assert "rank      : 1" in root_cause
+    assert wall < 120, wall  # start-up included; the timeout is 300 s
+
+
+# ---------------------------------------------------------------------------------------- killed ranks
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkill_while_training_and_saving_never_leaves_a_checkpoint_that_resumes_wrong(tmp_path):
+    trials = 20
+    proc = subprocess.run([sys.executable, str(HARNESS), "kill", "--trials", str(trials), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    summary = {k: v for k, v in report.items() if k != "rows"}
+    print(f"\nkill-and-resume: {summary}")
+    assert report["killed"] >= trials * 3 // 4, summary  # most trials were really killed mid-run
+    assert report["resumed"] >= trials // 2, summary
+    assert report["resumed_exactly"] == report["resumed"], summary  # never a mixed or partial state
+    assert report["losses_match"], summary  # the loss curve continues exactly
+    assert report["hung"] == 0 and report["max_seconds_to_all_exited"] < 10, summary
+    assert report["final_codes"] == [0, 0] and report["final_reached_max_steps"], summary
+    assert report["leftover_partial"] == [], summary
