@@ -86,7 +86,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str | os.PathLike) -> Any:
-    """The ``torch.distributed.checkpoint`` ``Metadata`` of a checkpoint directory, read by :class:`MetadataUnpickler`."""
+    """The torch.distributed.checkpoint ``Metadata`` of a checkpoint directory, read by :class:`MetadataUnpickler`."""
     with open(Path(path) / DCP_METADATA, "rb") as f:
         return MetadataUnpickler(f).load()
 

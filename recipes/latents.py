@@ -30,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
+from lightning_muon.checkpoint import atomic_write
+
 __all__ = [
     "MANIFEST",
     "GlobalBatchSampler",

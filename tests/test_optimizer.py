@@ -1,5 +1,6 @@
 """PeriodicRowwiseMuon against independent references: torch.optim.Muon, torch.optim.AdamW, a float64 loop."""
 
+import copy
 import io
 import math
 
@@ -228,6 +229,32 @@ def test_load_state_dict_from_other_layout_is_an_error():
     d = PeriodicRowwiseMuon([torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))])
     with pytest.raises(ValueError, match="2 parameters, the saved one 1"):
         d.load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda sd: sd["param_groups"][0].update(period=0), "period"),
+        (lambda sd: sd["param_groups"][0].update(ns_eps=0.0), "ns_eps"),
+        (lambda sd: sd["param_groups"][0].update(step=-1), "step=-1"),
+        (lambda sd: sd["param_groups"][0].update(step=2.5), "step=2.5"),
+        (lambda sd: sd["state"][0]["momentum_buffer"].fill_(float("nan")), "not finite"),
+        (lambda sd: None, None),  # control: the untouched state loads
+    ],
+)
+def test_loaded_state_is_validated_before_use(corrupt, message):
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    a = PeriodicRowwiseMuon([p])
+    p.grad = torch.randn(8, 4)
+    a.step()
+    state = copy.deepcopy(a.state_dict())
+    corrupt(state)
+    b = PeriodicRowwiseMuon([torch.nn.Parameter(torch.randn(8, 4))])
+    if message is None:
+        b.load_state_dict(state)
+        return
+    with pytest.raises(ValueError, match=message):
+        b.load_state_dict(state)
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -201,7 +201,7 @@ def raise_cases(out: Path) -> list[dict]:
             "codes": [exits[r]["code"] for r in range(world)],
             "seconds_to_all_exited": None if failed_at is None else max(e["time"] for e in exits.values()) - failed_at,
             "original_error_logged": "injected failure on rank" in logs[fail_rank],
-            "timeout_in_any_log": any("timed out" in text.lower() or "timeout" in text.lower() for text in logs.values()),
+            "timeout_in_any_log": any("timed out" in t.lower() or "timeout" in t.lower() for t in logs.values()),
         })  # fmt: skip
     return report
 

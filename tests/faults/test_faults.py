@@ -295,3 +295,83 @@ def test_sigkill_while_training_and_saving_never_leaves_a_checkpoint_that_resume
     assert report["hung"] == 0 and report["max_seconds_to_all_exited"] < 10, summary
     assert report["final_codes"] == [0, 0] and report["final_reached_max_steps"], summary
     assert report["leftover_partial"] == [], summary
+
+
+# ------------------------------------------------------------------------------------ evaluation cut short
+class FailingGeneration:
+    """Fault injection: ``generate`` raises once, during the evaluation at ``step`` (a preemption there)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.fired = step, False
+
+    def __call__(self, module, generate):
+        def wrapped(labels, seeds, num_inference_steps, *args, **kwargs):
+            if module.global_step == self.step and num_inference_steps > 1 and not self.fired:
+                self.fired = True
+                raise RuntimeError("preempted during evaluation")
+            return generate(labels, seeds, num_inference_steps, *args, **kwargs)
+
+        return wrapped
+
+
+def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_path, monkeypatch):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+    from lightning_muon.callbacks import GenerationEvaluation
+    from lightning_muon.recipes.data import DigitsDataModule
+    from lightning_muon.recipes.module import DiTModule
+
+    monkeypatch.setenv("LIGHTNING_MUON_CACHE", str(tmp_path / "cache"))
+    ckpt_dir = tmp_path / "ckpt"
+    small = dict(num_attention_heads=2, attention_head_dim=8, in_channels=1, num_layers=1, sample_size=8,
+                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+
+    def fit(max_steps, ckpt_path=None, fail_at=None):
+        evaluation = GenerationEvaluation(metrics=["fd_digits"], every_n_steps=2, num_samples=20,
+                                          num_inference_steps=2, batch_size=20, progress=False)  # fmt: skip
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, default_root_dir=tmp_path, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True),
+                                       OnExceptionCheckpoint(ckpt_dir), evaluation])  # fmt: skip
+        module = DiTModule(model_config=small)
+        if fail_at is not None:
+            module.generate = FailingGeneration(fail_at)(module, module.generate)
+        trainer.fit(module, DigitsDataModule(batch_size=16), ckpt_path=ckpt_path)
+        return evaluation
+
+    with pytest.raises(RuntimeError, match="preempted during evaluation"):
+        fit(max_steps=6, fail_at=4)  # evaluated at 2; killed in the evaluation at 4; on_exception.ckpt at step 4
+    assert (ckpt_dir / "on_exception.ckpt").is_file()
+    rows = [json.loads(line)["step"] for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [2]
+    evaluation = fit(max_steps=6, ckpt_path=str(ckpt_dir / "on_exception.ckpt"))
+    rows = [json.loads(line)["step"] for line in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [2, 4, 6]  # 4 redone at the start of the resumed run, 2 not repeated
+    assert [row["step"] for row in evaluation.history] == [2, 4, 6]  # the history came back with the checkpoint
+
+
+def test_unknown_checkpoint_hyperparameters_are_named(caplog):
+    from lightning_muon.recipes.evaluate import module_from_hparams
+
+    small = dict(num_attention_heads=2, attention_head_dim=8, in_channels=1, num_layers=1, sample_size=8,
+                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        module_from_hparams({"model_config": small, "bogus_option": 1, "_class_path": "x"})
+    assert "bogus_option" in caplog.text and "_class_path" not in caplog.text
+
+
+def test_evaluate_reports_a_damaged_checkpoint_and_goes_on(tmp_path, monkeypatch, capsys):
+    from lightning_muon.recipes.evaluate import main as evaluate
+
+    monkeypatch.setenv("LIGHTNING_MUON_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "step=1.ckpt").write_bytes(b"not a checkpoint")
+    damaged = distributed_checkpoint(run / "step=2.ckpt")
+    next(damaged.glob("*.distcp")).unlink()
+    with pytest.raises(SystemExit) as info:
+        evaluate([str(run), "--out", str(tmp_path / "eval"), "--metrics", "fd_digits", "--num-samples", "8"])
+    assert info.value.code == 1
+    errors = (tmp_path / "eval" / "errors.txt").read_text()
+    assert "step=1.ckpt" in errors and "step=2.ckpt" in errors and "missing or truncated" in errors
