@@ -4,7 +4,9 @@
 (or a replicate × shard mesh with ``hsdp=True``: replicate across nodes, shard within a node), applies
 :func:`shard_transformer` unless ``configure_model`` already sharded the module, checks the Muon matrices of a
 :class:`~lightning_muon.PeriodicRowwiseMuon` (any other optimizer runs as plain FSDP2), and saves / resumes through
-torch.distributed.checkpoint (a resumed run may use another number of devices). CPU runs use gloo, CUDA runs NCCL;
+torch.distributed.checkpoint (a resumed run may use another number of devices): saves are crash-consistent, loads
+unpickle nothing but plain data, and ``ckpt_path`` may be a directory (its newest complete checkpoint) — see
+:mod:`lightning_muon.checkpoint`. CPU runs use gloo, CUDA runs NCCL;
 ``num_nodes`` and cluster environments (torchrun, SLURM, …) work as in Lightning.
 
 The process group belongs to Lightning and the launcher: the strategy never destroys it nor runs a collective in

@@ -32,6 +32,7 @@ from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_muon import MuonFSDPStrategy, PeriodicRowwiseMuon, muon_param_groups
+from lightning_muon.checkpoint import newest_checkpoint
 
 WIDTH, SAMPLES, BATCH = 32, 96, 8  # 6 steps per epoch with 2 ranks
 
@@ -247,11 +248,12 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
         row["steps"] = [r["step"] for r in losses]
         row["losses_match"] = all(r["loss"] == want[r["step"]] for r in losses)
         rows.append(row)
-        last = max(row["steps"], default=0)
-        if last >= max_steps and not final:  # the chain finished training: start a new one
+        newest = newest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+        if newest is not None and newest[1] >= max_steps and not final:  # the chain finished: start a new one
             ckpt_dir = out / f"chain_ckpt_{t}"
     resumed = [r for r in rows if r["resumed"] is not None]
     return {
+        "control_mixed_detected": mixed_checkpoint_control(out, reference, max_steps),
         "trials": trials,
         "killed": sum(1 for r in rows[:-1] if -9 in r["codes"]),
         "killed_during_save": sum(1 for r in rows[:-1] if -9 in r["codes"] and r["during_save"]),
@@ -265,6 +267,22 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
         "leftover_partial": sorted(str(p) for p in out.glob("chain_ckpt*/.*.partial")),
         "rows": rows,
     }
+
+
+def mixed_checkpoint_control(out: Path, reference: Path, max_steps: int) -> bool:
+    """Deliberate break: the reference run's last checkpoint with rank 1's shard from the step before (a mixed
+    checkpoint, which the completeness check cannot see) must resume as not exact."""
+    import shutil
+
+    saved = sorted((out / "reference_run" / "ckpt").glob("epoch=*-step=*.ckpt"), key=lambda p: p.stat().st_mtime)
+    older, newer = saved[-2], saved[-1]
+    mixed = out / "control" / "ckpt"
+    shutil.copytree(newer, mixed / newer.name)
+    shutil.copy(older / "__1_0.distcp", mixed / newer.name / "__1_0.distcp")
+    run = out / "control"
+    wait(launch(2, run, mixed, reference, max_steps=max_steps + 1), time.time() + 120)
+    resumed = run / "resumed.json"
+    return resumed.is_file() and not json.loads(resumed.read_text())["exact"]
 
 
 def main() -> None:

@@ -295,6 +295,7 @@ def test_sigkill_while_training_and_saving_never_leaves_a_checkpoint_that_resume
     assert report["hung"] == 0 and report["max_seconds_to_all_exited"] < 10, summary
     assert report["final_codes"] == [0, 0] and report["final_reached_max_steps"], summary
     assert report["leftover_partial"] == [], summary
+    assert report["control_mixed_detected"], summary  # the exactness check does catch a mixed checkpoint
 
 
 # ------------------------------------------------------------------------------------ evaluation cut short
