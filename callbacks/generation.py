@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.generation import HPSv2Score, ensure_reference
 from lightning_muon.metrics.images import folder_images
@@ -47,6 +48,19 @@ def check_generated_images(images: Tensor) -> None:
             "uint8 (N, 1 or 3, H, W). A model trained in a latent space must decode its samples: set vae_path "
             "(DiTModule(vae_path=...), `model.vae_path` in the config) to the AutoencoderKL of the latents."
         )
+
+
+def sample_grid(images: Tensor, min_size: int = 256) -> Tensor:
+    """uint8 images ``(N, C, h, w)`` as one square float grid ``(3, H, W)`` in [0, 1], each image upscaled
+    (nearest, by an integer factor) so the grid is at least ``min_size`` pixels wide."""
+    import math
+
+    from torchvision.utils import make_grid
+
+    nrow = max(1, math.isqrt(len(images)))
+    scale = max(1, math.ceil(min_size / (nrow * (images.shape[-1] + 1))))
+    x = torch.nn.functional.interpolate(images.float() / 255, scale_factor=scale, mode="nearest")
+    return make_grid(x, nrow=nrow, padding=1, pad_value=1.0)
 
 
 def flatten_metrics(name: str, value: Tensor | dict[str, Tensor]) -> dict[str, float]:
@@ -246,25 +260,30 @@ class GenerationEvaluation(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(metrics=self.metric_names, every_n_steps=self.every_n_steps)
 
-    def _due(self, step: int) -> bool:
-        return bool(self.every_n_steps) and step > 0 and step % self.every_n_steps == 0 and step != self._last_step
+    def _due(self, trainer: L.Trainer) -> bool:
+        """An evaluation step not yet evaluated: every ``every_n_steps``, and the last step of ``max_steps`` (so the
+        final evaluation can be monitored by the checkpoint saved there)."""
+        step = trainer.global_step
+        last = 0 < trainer.max_steps <= step
+        periodic = bool(self.every_n_steps) and step > 0 and step % self.every_n_steps == 0
+        return (periodic or last) and step != self._last_step
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A run resumed at a step whose evaluation did not finish (a checkpoint written on an exception or
         preemption during it) evaluates that step now."""
-        if self._due(trainer.global_step):
-            self.evaluate(trainer, pl_module)
+        if self._due(trainer):
+            self.evaluate(trainer, pl_module, monitorable=False)  # Lightning allows no step-level log() here
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self._due(trainer.global_step):
+        if self._due(trainer):
             self.evaluate(trainer, pl_module)
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if self.on_checkpoint and trainer.training and trainer.global_step != self._last_step:
-            self.evaluate(trainer, pl_module)
+            self.evaluate(trainer, pl_module, monitorable=False)
             checkpoint.setdefault("callbacks", {})[self.state_key] = self.state_dict()  # taken before this hook
 
     @override
@@ -280,8 +299,8 @@ class GenerationEvaluation(Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.global_step != self._last_step:
-            self.evaluate(trainer, pl_module)
+        if trainer.global_step != self._last_step:  # training stopped before max_steps (max_epochs, early stop)
+            self.evaluate(trainer, pl_module, monitorable=False)
 
     def _references(self, trainer: L.Trainer) -> None:
         if self.real_images_dir:
@@ -296,8 +315,9 @@ class GenerationEvaluation(Callback):
         cache = Path(self.reference_dir or Path(trainer.default_root_dir) / "eval_reference")
         prepare_references(self.metrics, real, cache, name, self.batch_size)
 
-    def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
-        """Run one evaluation now (all ranks must call it); returns the logged values."""
+    def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule, monitorable: bool = True) -> dict[str, float]:
+        """Run one evaluation now (all ranks must call it); returns the logged values (also put in
+        ``trainer.callback_metrics`` when ``monitorable``, for ``ModelCheckpoint(monitor="eval/...")``)."""
         self._last_step = trainer.global_step
         self._references(trainer)
         desc = f"eval @ step {trainer.global_step}"
@@ -305,18 +325,15 @@ class GenerationEvaluation(Callback):
                                         self.num_inference_steps, self.guidance_scale, self.batch_size,
                                         self.grid_size, self.progress, desc, self.prompts)  # fmt: skip
         self.history.append({"step": trainer.global_step, **values})
+        publish_scalars(trainer, pl_module, values, monitorable)
         if trainer.is_global_zero:
             self._publish(trainer, values, grid)
         return values
 
     def _publish(self, trainer: L.Trainer, values: dict[str, float], grid: Tensor | None) -> None:
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
             if grid is not None and hasattr(logger.experiment, "add_image"):
-                from torchvision.utils import make_grid
-
-                image = make_grid(grid.float() / 255, nrow=int(len(grid) ** 0.5), padding=1, pad_value=1.0)
-                logger.experiment.add_image("eval/samples", image, trainer.global_step)
+                logger.experiment.add_image("eval/samples", sample_grid(grid), trainer.global_step)
         ckpt = trainer.checkpoint_callback
         folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else Path(trainer.log_dir or ".")
         append_jsonl(folder / "metrics.jsonl", {"step": trainer.global_step, "epoch": trainer.current_epoch,

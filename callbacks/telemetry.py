@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.optim import PeriodicRowwiseMuon
 
 __all__ = ["OptimizerTelemetry", "squared_norms"]
@@ -116,6 +117,4 @@ class OptimizerTelemetry(Callback):
             values[f"optim/update_rms/group{i}"] = (update_sq[i] / numel) ** 0.5
             values[f"optim/grad_norm/group{i}"] = grad_sq[i] ** 0.5
         self._before = self._grad_sq = None
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=trainer.global_step)
+        publish_scalars(trainer, pl_module, values)

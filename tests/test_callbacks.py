@@ -71,6 +71,28 @@ def test_generation_evaluation_logs_at_the_expected_steps(cache, tmp_path):
     assert [r["eval/fd_digits"] for r in rows] == pytest.approx([e.value for e in fd], rel=1e-6)
 
 
+def test_best_fd_checkpoint_is_the_lowest_fd_in_metrics_jsonl(cache, tmp_path):
+    def best(mode):
+        return ModelCheckpoint(dirpath=tmp_path / mode, monitor="eval/fd_digits", mode=mode, every_n_train_steps=2,
+                               save_top_k=1, filename="best-step={step}", auto_insert_metric_name=False)  # fmt: skip
+
+    evaluation = GenerationEvaluation(every_n_steps=2, num_samples=32, num_inference_steps=2, batch_size=32,
+                                      grid_size=16, progress=False)  # fmt: skip
+    lowest, highest = best("min"), best("max")
+    trainer = fit(tmp_path, 10, [ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), evaluation, lowest, highest])
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl")
+            .read_text().splitlines()]  # fmt: skip
+    fd = {r["step"]: r["eval/fd_digits"] for r in rows}
+    assert sorted(fd) == [2, 4, 6, 8, 10]
+    argmin, argmax = min(fd, key=fd.get), max(fd, key=fd.get)
+    assert argmin != argmax  # the control (mode="max") must pick another checkpoint
+    assert lowest.best_model_path.endswith(f"best-step={argmin}.ckpt")
+    assert highest.best_model_path.endswith(f"best-step={argmax}.ckpt")
+    assert float(lowest.best_model_score) == pytest.approx(fd[argmin])
+    image = event_scalars(trainer.logger.log_dir).Images("eval/samples")[-1]
+    assert min(image.width, image.height) >= 256  # 4x4 grid of 8x8 samples, upscaled
+
+
 def test_missing_weights_fail_at_setup_before_training(cache, tmp_path):
     evaluation = GenerationEvaluation(metrics=["fd_dinov2"], dinov2_weights=str(tmp_path / "no-dinov2"))
     with pytest.raises(FileNotFoundError, match="DINOv2 weights not found"):

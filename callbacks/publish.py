@@ -1,0 +1,22 @@
+"""One way for callbacks to report scalars."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+def publish_scalars(trainer: L.Trainer, pl_module: L.LightningModule, values: dict[str, float],
+                    monitorable: bool = True) -> None:  # fmt: skip
+    """Report ``values`` at the current global step.
+
+    ``pl_module.log(..., logger=False, sync_dist=False)`` puts them in ``trainer.callback_metrics``, so
+    ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can use them (the values are already reduced over ranks;
+    ``monitorable=False`` in hooks where Lightning forbids ``log``). Rank 0 also writes them to every logger directly:
+    Lightning flushes logged values to loggers only on ``log_every_n_steps`` steps, which would drop an evaluation
+    falling between two of them.
+    """
+    if monitorable:
+        pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, logger=False)
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
