@@ -1,6 +1,7 @@
-"""Lightning callbacks: generation evaluation and optimizer telemetry."""
+"""Lightning callbacks: generation evaluation, optimizer telemetry, EMA of the weights."""
 
+from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.generation import GenerationEvaluation
 from lightning_muon.callbacks.telemetry import OptimizerTelemetry
 
-__all__ = ["GenerationEvaluation", "OptimizerTelemetry"]
+__all__ = ["EMA", "GenerationEvaluation", "OptimizerTelemetry"]

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
@@ -336,11 +337,11 @@ class DiTModule(L.LightningModule):
                   for t in grid]  # fmt: skip
         self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.ema is not None:
-            with torch.no_grad():
-                torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()),
-                                     1 - self.hparams.ema_decay)  # fmt: skip
+    def configure_callbacks(self) -> list[Callback]:
+        """The EMA update (:class:`~lightning_muon.callbacks.EMA`, once per optimizer step) when ``ema_decay > 0``."""
+        from lightning_muon.callbacks.ema import EMA
+
+        return [EMA(self.hparams.ema_decay)] if self.hparams.ema_decay > 0 else []
 
     # ------------------------------------------------------------------------------------------- optimizers
     def configure_optimizers(self) -> dict[str, Any]:

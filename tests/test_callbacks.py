@@ -200,3 +200,54 @@ def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
     images = module.generate(expected_prompts, list(range(7)), 2, 2.0)
     independent = HPSv2Score(clip_path, model_name="tiny-test-clip").scores(images, expected_prompts).mean()
     assert values["eval/hpsv2"] == pytest.approx(float(independent), rel=1e-4)
+
+
+class _Regression(L.LightningModule):
+    """A linear model and its EMA copy on fixed data: no randomness, so batch 32 == 2 x 16 accumulated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = torch.nn.Linear(8, 1)
+        self.ema = torch.nn.Linear(8, 1).requires_grad_(False)
+        self.ema.load_state_dict(self.model.state_dict())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.model(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(256, 8, generator=g)
+        data = torch.utils.data.TensorDataset(x, x.sum(-1))
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)
+
+
+def test_ema_updates_once_per_optimizer_step_under_gradient_accumulation(tmp_path):
+    decay = 0.9
+    from lightning_muon.callbacks import EMA
+
+    results = {}
+    for batch_size, accumulate in ((32, 1), (16, 2)):
+        module, ema = _Regression(), EMA(decay)
+        module.batch_size = batch_size
+        trainer = L.Trainer(accelerator="cpu", max_steps=8, accumulate_grad_batches=accumulate, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[ema], default_root_dir=tmp_path)  # fmt: skip
+        trainer.fit(module)
+        assert ema.updates == trainer.global_step == 8  # per-batch updating (the old hook) would make 16
+        results[accumulate] = (module.model.weight.detach().clone(), module.ema.weight.detach().clone())
+    (w1, e1), (w2, e2) = results[1], results[2]
+    torch.testing.assert_close(w2, w1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(e2, e1, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(e1, w1)  # the average is not the weights
+
+
+def test_dit_module_brings_its_ema_callback():
+    from lightning_muon.callbacks import EMA
+
+    assert [type(c) for c in DiTModule(model_config=SMALL_DIT, ema_decay=0.99).configure_callbacks()] == [EMA]
+    assert DiTModule(model_config=SMALL_DIT, ema_decay=0.0).configure_callbacks() == []

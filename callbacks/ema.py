@@ -1,0 +1,52 @@
+"""Exponential moving average of a module's weights, updated once per optimizer step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+
+class EMA(Callback):
+    r"""After every optimizer step, :math:`\bar\theta \leftarrow \beta\,\bar\theta + (1-\beta)\,\theta` for the
+    parameters of ``pl_module.<source>`` into ``pl_module.<target>`` (a copy with the same parameters, e.g.
+    ``copy.deepcopy(self.model)``, made in ``configure_model`` so FSDP2 shards it like the model and it is saved in
+    checkpoints).
+
+    The update runs when ``trainer.global_step`` has advanced, so under ``accumulate_grad_batches=N`` it runs once
+    per N batches, as the weights change, and on skipped (non-finite) steps the average still decays toward
+    unchanged weights. Works on DTensor shards: each rank averages its own shard, no communication.
+
+    Args:
+        decay: :math:`\beta` in [0, 1).
+        source / target: attribute names of the trained network and of its average.
+    """
+
+    def __init__(self, decay: float = 0.999, source: str = "model", target: str = "ema") -> None:
+        super().__init__()
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}.")
+        self.decay, self.source, self.target = decay, source, target
+        self.updates = 0
+        self._step = -1
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name in (self.source, self.target):
+            if not isinstance(getattr(pl_module, name, None), torch.nn.Module):
+                raise AttributeError(f"EMA needs pl_module.{name} to be a module (source={self.source!r}, "
+                                     f"target={self.target!r}); build the copy in configure_model().")  # fmt: skip
+        self._step = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._step:  # accumulating: the weights did not change
+            return
+        self._step = trainer.global_step
+        average, current = getattr(pl_module, self.target), getattr(pl_module, self.source)
+        with torch.no_grad():
+            torch._foreach_lerp_(list(average.parameters()), list(current.parameters()), 1 - self.decay)
+        self.updates += 1
