@@ -70,8 +70,13 @@ def _rank(rank: int, world: int, port: int, mode: str, root: str, batch: int, st
             if steps is not None and i + 1 == steps:
                 break
         state = loader.state_dict()
-    result = {"baseline_mib": baseline, "peak_mib": _max_rss_mib(), "seconds": time.perf_counter() - start,
-              "seen": seen, "state": state}  # fmt: skip
+    result = {
+        "baseline_mib": baseline,
+        "peak_mib": _max_rss_mib(),
+        "seconds": time.perf_counter() - start,
+        "seen": seen,
+        "state": state,
+    }
     torch.save(result, f"{out}/{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -107,8 +112,12 @@ def main() -> None:
                 r = ranks(2, mode, root, args.batch_size)
                 peak = max(x["peak_mib"] for x in r)
                 delta = max(x["peak_mib"] - x["baseline_mib"] for x in r)
-                results[f"{mode}_x{scale}"] = {"peak_mib": peak, "above_baseline_mib": delta, "disk_mib": disk,
-                                               "seconds": max(x["seconds"] for x in r)}  # fmt: skip
+                results[f"{mode}_x{scale}"] = {
+                    "peak_mib": peak,
+                    "above_baseline_mib": delta,
+                    "disk_mib": disk,
+                    "seconds": max(x["seconds"] for x in r),
+                }
                 seconds = results[f"{mode}_x{scale}"]["seconds"]
                 rows.append((mode, scale, scale * args.base, disk, peak, delta, seconds))
         root = Path(tmp) / "x1"
@@ -116,17 +125,26 @@ def main() -> None:
         rest = ranks(3, "stream", root, args.batch_size, state=first[0]["state"])
         seen = [i for r in first + rest for step in r["seen"] for i in step]
         exact = sorted(seen) == list(range(args.base))
-    print(f"| {'loader':<7} | {'scale':>5} | {'samples':>8} | {'on disk':>10} | {'peak RSS/rank':>13} | "
-          f"{'above imports':>13} | {'epoch s':>7} |")  # fmt: skip
+    print(
+        f"| {'loader':<7} | {'scale':>5} | {'samples':>8} | {'on disk':>10} | {'peak RSS/rank':>13} | "
+        f"{'above imports':>13} | {'epoch s':>7} |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for mode, scale, n, disk, peak, delta, sec in rows:
-        print(f"| {mode:<7} | {scale:>4}x | {n:>8} | {disk:>6.1f} MiB | {peak:>9.0f} MiB | {delta:>9.1f} MiB | "
-              f"{sec:>7.1f} |")  # fmt: skip
+        print(
+            f"| {mode:<7} | {scale:>4}x | {n:>8} | {disk:>6.1f} MiB | {peak:>9.0f} MiB | {delta:>9.1f} MiB | "
+            f"{sec:>7.1f} |"
+        )
     ratio = results["stream_x100"]["peak_mib"] / results["stream_x10"]["peak_mib"]
     print(f"streamed peak RSS 100x / 10x: {ratio:.3f} (target <= 1.2: {'met' if ratio <= 1.2 else 'MISSED'})")
     print(f"resume 2 -> 3 ranks after 5 steps: {len(seen)} samples seen, every sample exactly once: {exact}")
-    results.update(ratio_100x_over_10x=ratio, resume_samples_seen=len(seen), resume_exactly_once=exact,
-                   base=args.base, batch_size=args.batch_size)  # fmt: skip
+    results.update(
+        ratio_100x_over_10x=ratio,
+        resume_samples_seen=len(seen),
+        resume_exactly_once=exact,
+        base=args.base,
+        batch_size=args.batch_size,
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 

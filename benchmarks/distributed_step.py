@@ -104,8 +104,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, os.cpu_count() // world))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     mesh = init_device_mesh(args.device, (world,))
     memory = PeakMemory(cuda)
@@ -127,8 +128,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
             if kwargs is None:
                 opt = torch.optim.Muon(params, **common)
             else:
-                opt = PeriodicRowwiseMuon(params, ns_dtype=args.ns_dtype, bucket_mb=args.bucket_mb, **common,
-                                          **kwargs)  # fmt: skip
+                opt = PeriodicRowwiseMuon(params, ns_dtype=args.ns_dtype, bucket_mb=args.bucket_mb, **common, **kwargs)
 
             def one_step(params=params, grads=grads, opt=opt):
                 for p, gr in zip(params, grads):
@@ -174,7 +174,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
                 "seconds_per_step": statistics.median(times) if times else None,
                 "ns_flops_per_step": flops / steps,
                 "comm": {b: {k: v / steps for k, v in d.items()} for b, d in stats.items()} if stats else None,
-                "collectives_per_step": (sum(d["collectives"] for d in stats.values()) / steps) if stats
+                "collectives_per_step": (sum(d["collectives"] for d in stats.values()) / steps)
+                if stats
                 else implicit / steps,
                 "profiled_c10d_events_per_step": c10d / steps,
                 "small_allreduce_per_step": (stats["rownorm"]["collectives"] / steps) if stats else None,
@@ -186,8 +187,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     gathered = [None] * world
     dist.all_gather_object(gathered, results)
     if rank == 0:
-        per_rank = {name: {k: max(r[name][k] for r in gathered) if isinstance(v, (int, float)) else v
-                           for k, v in gathered[0][name].items()} for name in gathered[0]}  # fmt: skip
+        per_rank = {
+            name: {
+                k: max(r[name][k] for r in gathered) if isinstance(v, (int, float)) else v
+                for k, v in gathered[0][name].items()
+            }
+            for name in gathered[0]
+        }
         Path(out).write_text(json.dumps(per_rank))
     dist.destroy_process_group()
 
@@ -206,11 +212,15 @@ def run_world(world: int, args: argparse.Namespace) -> dict:
 
 def report(world: int, results: dict, args: argparse.Namespace) -> dict[str, bool]:
     torch_muon = results["torch.optim.Muon"]
-    print(f"\nworld={world} device={args.device} hidden={args.hidden} blocks={args.blocks} ns_dtype={args.ns_dtype} "
-          f"cpu={_cpu_name()} (per rank, per optimizer "
-          f"step, {args.periods} whole periods; slowest rank)")  # fmt: skip
-    print("| implementation | ms/step | x torch Muon | refresh MB recv | NS5 GFLOP | collectives | small all-reduce "
-          "| peak extra MB |")
+    print(
+        f"\nworld={world} device={args.device} hidden={args.hidden} blocks={args.blocks} ns_dtype={args.ns_dtype} "
+        f"cpu={_cpu_name()} (per rank, per optimizer "
+        f"step, {args.periods} whole periods; slowest rank)"
+    )
+    print(
+        "| implementation | ms/step | x torch Muon | refresh MB recv | NS5 GFLOP | collectives | small all-reduce "
+        "| peak extra MB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         if "@4x" in name:
@@ -218,18 +228,22 @@ def report(world: int, results: dict, args: argparse.Namespace) -> dict[str, boo
         c = r["comm"]
         recv = f"{c['refresh']['bytes_received'] / 2**20:.2f}" if c else "-"
         small = f"{r['small_allreduce_per_step']:.2f}" if r["small_allreduce_per_step"] is not None else "-"
-        print(f"| {name} | {r['seconds_per_step'] * 1e3:.1f} | "
-              f"{r['seconds_per_step'] / torch_muon['seconds_per_step']:.2f} | {recv} | "
-              f"{r['ns_flops_per_step'] / 1e9:.1f} | {r['collectives_per_step']:.2f} | {small} | "
-              f"{r['peak_extra_bytes'] / 2**20:.1f} |")  # fmt: skip
+        print(
+            f"| {name} | {r['seconds_per_step'] * 1e3:.1f} | "
+            f"{r['seconds_per_step'] / torch_muon['seconds_per_step']:.2f} | {recv} | "
+            f"{r['ns_flops_per_step'] / 1e9:.1f} | {r['collectives_per_step']:.2f} | {small} | "
+            f"{r['peak_extra_bytes'] / 2**20:.1f} |"
+        )
     print("| refresh peak extra memory | 1x blocks MB | 4x blocks MB | ratio |")
     print("|---|---:|---:|---:|")
     ratios = {}
     for mode in ("gather", "scatter"):
         one, four = results[f"periodic K=3 {mode}"], results[f"periodic K=3 {mode} @4x"]
         ratios[mode] = four["refresh_peak_extra_bytes"] / one["refresh_peak_extra_bytes"]
-        print(f"| K=3 {mode} | {one['refresh_peak_extra_bytes'] / 2**20:.1f} | "
-              f"{four['refresh_peak_extra_bytes'] / 2**20:.1f} | {ratios[mode]:.2f} |")  # fmt: skip
+        print(
+            f"| K=3 {mode} | {one['refresh_peak_extra_bytes'] / 2**20:.1f} | "
+            f"{four['refresh_peak_extra_bytes'] / 2**20:.1f} | {ratios[mode]:.2f} |"
+        )
     best_k1 = min(results[f"periodic K=1 {m}"]["seconds_per_step"] for m in ("gather", "scatter"))
     k3s, k3g = results["periodic K=3 scatter"], results["periodic K=3 gather"]
     gather_flops = results["periodic K=1 gather"]["ns_flops_per_step"]
@@ -259,11 +273,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=1)
     parser.add_argument("--periods", type=int, default=2, help="timed periods of 3 steps each")
-    parser.add_argument("--bucket-mb", type=float, default=16.0,
-                        help="refresh bucket; keep it below one block's matrices so the 4x pass spans many buckets")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=16.0,
+        help="refresh bucket; keep it below one block's matrices so the 4x pass spans many buckets",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="our NS5 dtype; bfloat16 is what torch.optim.Muon always uses (a like-for-like row)")
+    parser.add_argument(
+        "--ns-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="our NS5 dtype; bfloat16 is what torch.optim.Muon always uses (a like-for-like row)",
+    )
     parser.add_argument("--out", default="benchmarks/results/distributed_step.json")
     args = parser.parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))  # freed large buffers leave the process

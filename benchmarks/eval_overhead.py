@@ -36,20 +36,25 @@ def main() -> None:
         with_eval.mkdir()
         without.mkdir()
         # the same callbacks minus GenerationEvaluation
-        no_eval = ["--trainer.callbacks", "[]",
-                   "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                   "--trainer.callbacks.every_n_train_steps", "500",
-                   "--trainer.callbacks+=lightning_muon.callbacks.OptimizerTelemetry"]  # fmt: skip
+        no_eval = [
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.every_n_train_steps",
+            "500",
+            "--trainer.callbacks+=lightning_muon.callbacks.OptimizerTelemetry",
+        ]
         t_without = run(no_eval, without)
         t_with = run([], with_eval)
-        rows = [json.loads(line) for line in
-                next(with_eval.rglob("metrics.jsonl")).read_text().splitlines()]  # fmt: skip
+        rows = [json.loads(line) for line in next(with_eval.rglob("metrics.jsonl")).read_text().splitlines()]
     eval_seconds = [r["eval/seconds"] for r in rows]
     print("| run | wall s | evaluations | s / evaluation | eval share of wall | overhead vs no eval |")
     print("|---|---:|---:|---:|---:|---:|")
     print(f"| fit without GenerationEvaluation | {t_without:.1f} | 0 | - | - | - |")
-    print(f"| fit with GenerationEvaluation | {t_with:.1f} | {len(rows)} | {sum(eval_seconds) / len(rows):.2f} | "
-          f"{100 * sum(eval_seconds) / t_with:.1f}% | {100 * (t_with / t_without - 1):+.1f}% |")  # fmt: skip
+    print(
+        f"| fit with GenerationEvaluation | {t_with:.1f} | {len(rows)} | {sum(eval_seconds) / len(rows):.2f} | "
+        f"{100 * sum(eval_seconds) / t_with:.1f}% | {100 * (t_with / t_without - 1):+.1f}% |"
+    )
     last = rows[-1]
     print("final metrics: " + ", ".join(f"{k}={v:.3f}" for k, v in last.items() if k.startswith("eval/")))
     print(f"target: callback adds <= 25% wall time: {'met' if t_with <= 1.25 * t_without else 'MISSED'}")

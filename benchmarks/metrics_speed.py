@@ -94,22 +94,38 @@ def main() -> None:
     print(f"n={args.n} d={args.dim} k={args.k} threads={torch.get_num_threads()}")
     print(f"| {'formula':<16} | {'ours s':>8} | {'reference s':>11} | {'speed-up':>8} | {'agreement':<28} |")
     print(f"|{'-' * 18}|{'-' * 10}|{'-' * 13}|{'-' * 10}|{'-' * 30}|")
-    print(f"| {'frechet_distance':<16} | {t_fd_ours:>8.2f} | {t_fd_ref:>11.2f} | {t_fd_ref / t_fd_ours:>7.1f}x | "
-          f"{f'rel diff {abs(fd_ours - fd_ref) / abs(fd_ref):.1e}':<28} |")  # fmt: skip
+    print(
+        f"| {'frechet_distance':<16} | {t_fd_ours:>8.2f} | {t_fd_ref:>11.2f} | {t_fd_ref / t_fd_ours:>7.1f}x | "
+        f"{f'rel diff {abs(fd_ours - fd_ref) / abs(fd_ref):.1e}':<28} |"
+    )
     worst = max(abs(float(pr_ours[key]) - pr_ref[key]) for key in pr_ref)
-    print(f"| {'prdc':<16} | {t_pr_ours:>8.2f} | {t_pr_ref:>11.2f} | {t_pr_ref / t_pr_ours:>7.1f}x | "
-          f"{f'max abs diff {worst:.1e}':<28} |")  # fmt: skip
-    print(f"prdc peak memory at n={args.memory_n}, d={args.dim}, chunk={args.chunk}: {mem:.0f} MiB "
-          f"(one dense n x n float32 distance matrix: {dense_mb:.0f} MiB)")  # fmt: skip
+    print(
+        f"| {'prdc':<16} | {t_pr_ours:>8.2f} | {t_pr_ref:>11.2f} | {t_pr_ref / t_pr_ours:>7.1f}x | "
+        f"{f'max abs diff {worst:.1e}':<28} |"
+    )
+    print(
+        f"prdc peak memory at n={args.memory_n}, d={args.dim}, chunk={args.chunk}: {mem:.0f} MiB "
+        f"(one dense n x n float32 distance matrix: {dense_mb:.0f} MiB)"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "config": vars(args),
-        "frechet_distance": {"ours_s": t_fd_ours, "scipy_s": t_fd_ref, "ours": fd_ours, "scipy": fd_ref},
-        "prdc": {"ours_s": t_pr_ours, "reference_s": t_pr_ref, "ours": {k: float(v) for k, v in pr_ours.items()},
-                 "reference": pr_ref},
-        "prdc_peak_memory_mib": mem, "dense_matrix_mib": dense_mb,
-    }, indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "config": vars(args),
+                "frechet_distance": {"ours_s": t_fd_ours, "scipy_s": t_fd_ref, "ours": fd_ours, "scipy": fd_ref},
+                "prdc": {
+                    "ours_s": t_pr_ours,
+                    "reference_s": t_pr_ref,
+                    "ours": {k: float(v) for k, v in pr_ours.items()},
+                    "reference": pr_ref,
+                },
+                "prdc_peak_memory_mib": mem,
+                "dense_matrix_mib": dense_mb,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -85,8 +85,10 @@ def main() -> None:
     base_muon, k1 = med["torch.optim.Muon (bf16)"], med["periodic K=1"]
     rows = [(name, t * 1e3, t / med["adamw (torch, foreach)"], t / base_muon, t / k1) for name, t in med.items()]
     numel = sum(a * b for a, b in shapes) / 1e6
-    print(f"hidden={args.hidden} blocks={args.blocks} params={numel:.1f}M fp32, NS dtype {args.ns_dtype}, "
-          f"threads={torch.get_num_threads()}, median of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"hidden={args.hidden} blocks={args.blocks} params={numel:.1f}M fp32, NS dtype {args.ns_dtype}, "
+        f"threads={torch.get_num_threads()}, median of {args.rounds} rounds"
+    )
     print(f"| {'optimizer':<24} | {'ms/step':>9} | {'x AdamW':>8} | {'x torch Muon':>12} | {'x K=1':>6} |")
     print(f"|{'-' * 26}|{'-' * 11}|{'-' * 10}|{'-' * 14}|{'-' * 8}|")
     for name, ms, ra, rm, rk in rows:
@@ -100,8 +102,13 @@ def main() -> None:
         print(f"target {name}: {'met' if ok else 'MISSED'}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"config": vars(args), "threads": torch.get_num_threads(), "shapes": shapes,
-              "median_seconds": med, "targets": targets}  # fmt: skip
+    result = {
+        "config": vars(args),
+        "threads": torch.get_num_threads(),
+        "shapes": shapes,
+        "median_seconds": med,
+        "targets": targets,
+    }
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 

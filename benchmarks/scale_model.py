@@ -45,8 +45,9 @@ def muon_shapes(config: dict) -> tuple[list[tuple[int, int]], int, int]:
     return shapes, sum(p.numel() for p in model.parameters()), sum(math.prod(s) for s in shapes)
 
 
-def comm_per_rank(shapes, world: int, rank: int, mode: str, itemsize: int = 2, bucket_bytes: int = 64 * 2**20,
-                  flag: bool = True) -> dict:  # fmt: skip
+def comm_per_rank(
+    shapes, world: int, rank: int, mode: str, itemsize: int = 2, bucket_bytes: int = 64 * 2**20, flag: bool = True
+) -> dict:
     """What ``comm_stats()`` of ``rank`` reports for one refresh step and one RowNorm step, and its NS5 FLOPs."""
     shards = [RowShard(s, world, rank) for s in shapes]
     refresh = {"bytes_sent": 0, "bytes_received": 0, "collectives": 0}
@@ -101,9 +102,15 @@ def project(config: dict, world: int, mode: str, args: argparse.Namespace) -> di
     batch = config["data"]["init_args"]["batch_size"]
     fwd_bwd = 6 * total * tokens * batch / (args.tflops * 1e12 * args.train_mfu)
     adamw_opt = 12 * 4 * total / world / hbm
-    return {"muon": refresh + adamw_rest, "periodic": (refresh + 2 * rownorm) / 3 + adamw_rest, "adamw": adamw_opt,
-            "fwd_bwd": fwd_bwd, "refresh_recv_MB": c["refresh"]["bytes_received"] / 2**20,
-            "ns_tflop_rank": c["ns_flops"] / 1e12, "params_B": total / 1e9}  # fmt: skip
+    return {
+        "muon": refresh + adamw_rest,
+        "periodic": (refresh + 2 * rownorm) / 3 + adamw_rest,
+        "adamw": adamw_opt,
+        "fwd_bwd": fwd_bwd,
+        "refresh_recv_MB": c["refresh"]["bytes_received"] / 2**20,
+        "ns_tflop_rank": c["ns_flops"] / 1e12,
+        "params_B": total / 1e9,
+    }
 
 
 def main() -> None:
@@ -120,8 +127,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/scale_model.json")
     args = parser.parse_args()
     rows = []
-    print("| config | GPUs | refresh | Muon opt ms | Periodic opt ms | opt time cut | Muon step (norm.) | "
-          "Periodic step (norm.) | Periodic/Muon step | paper Periodic/Muon |")
+    print(
+        "| config | GPUs | refresh | Muon opt ms | Periodic opt ms | opt time cut | Muon step (norm.) | "
+        "Periodic step (norm.) | Periodic/Muon step | paper Periodic/Muon |"
+    )
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     base = None
     for name, stack in SHIPPED_CONFIGS.items():
@@ -139,10 +148,12 @@ def main() -> None:
         muon_step, periodic_step = (row["fwd_bwd"] + row["muon"]) / unit, (row["fwd_bwd"] + row["periodic"]) / unit
         paper = PAPER.get(row["config"]) if row["world"] == 256 else None
         row.update(muon_step_norm=muon_step, periodic_step_norm=periodic_step)
-        print(f"| {row['config']} | {row['world']} | {row['mode']} | {1e3 * row['muon']:.1f} | "
-              f"{1e3 * row['periodic']:.1f} | {100 * (1 - row['periodic'] / row['muon']):.1f}% | {muon_step:.2f} | "
-              f"{periodic_step:.2f} | {periodic_step / muon_step:.3f} | "
-              f"{f'{paper[1] / paper[0]:.3f} ({paper[0]} -> {paper[1]})' if paper else '-'} |")  # fmt: skip
+        print(
+            f"| {row['config']} | {row['world']} | {row['mode']} | {1e3 * row['muon']:.1f} | "
+            f"{1e3 * row['periodic']:.1f} | {100 * (1 - row['periodic'] / row['muon']):.1f}% | {muon_step:.2f} | "
+            f"{periodic_step:.2f} | {periodic_step / muon_step:.3f} | "
+            f"{f'{paper[1] / paper[0]:.3f} ({paper[0]} -> {paper[1]})' if paper else '-'} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": vars(args), "rows": rows}, indent=1))

@@ -59,23 +59,32 @@ def main() -> None:
     params = sum(p.numel() for p in runs["adamw"][0].model.parameters())
     med = {n: sum(step_times[n]) / len(step_times[n]) for n in NAMES}
     opt = {n: sum(opt_times[n]) / len(opt_times[n]) for n in NAMES}
-    print(f"digits DiT, {params / 1e6:.2f}M params, batch 64, CPU threads={torch.get_num_threads()}, "
-          f"mean over {args.steps} steps")  # fmt: skip
+    print(
+        f"digits DiT, {params / 1e6:.2f}M params, batch 64, CPU threads={torch.get_num_threads()}, "
+        f"mean over {args.steps} steps"
+    )
     print(f"| {'optimizer':<14} | {'steps/s':>7} | {'ms/step':>7} | {'optimizer ms':>12} | {'optimizer share':>15} |")
     print("|" + "|".join("-" * w for w in (16, 9, 9, 14, 17)) + "|")
     for n in NAMES:
-        print(f"| {n:<14} | {1 / med[n]:>7.1f} | {med[n] * 1e3:>7.1f} | {opt[n] * 1e3:>12.2f} | "
-              f"{100 * opt[n] / med[n]:>14.1f}% |")  # fmt: skip
+        print(
+            f"| {n:<14} | {1 / med[n]:>7.1f} | {med[n] * 1e3:>7.1f} | {opt[n] * 1e3:>12.2f} | "
+            f"{100 * opt[n] / med[n]:>14.1f}% |"
+        )
     overhead = {n: opt[n] - opt["adamw"] for n in ("muon", "periodic_muon")}
     ratio = overhead["periodic_muon"] / overhead["muon"] if overhead["muon"] > 0 else float("nan")
-    print(f"optimizer overhead over AdamW: muon {overhead['muon'] * 1e3:.2f} ms, periodic "
-          f"{overhead['periodic_muon'] * 1e3:.2f} ms, ratio {ratio:.2f} (target <= 0.5): "
-          f"{'met' if ratio <= 0.5 else 'MISSED'}")  # fmt: skip
+    print(
+        f"optimizer overhead over AdamW: muon {overhead['muon'] * 1e3:.2f} ms, periodic "
+        f"{overhead['periodic_muon'] * 1e3:.2f} ms, ratio {ratio:.2f} (target <= 0.5): "
+        f"{'met' if ratio <= 0.5 else 'MISSED'}"
+    )
     print("median step ms: " + ", ".join(f"{n} {statistics.median(step_times[n]) * 1e3:.1f}" for n in NAMES))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": vars(args), "mean_step_s": med, "mean_optimizer_s": opt,
-                               "overhead_ratio": ratio}, indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {"config": vars(args), "mean_step_s": med, "mean_optimizer_s": opt, "overhead_ratio": ratio}, indent=2
+        )
+    )
     print(f"wrote {out}")
 
 

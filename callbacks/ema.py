@@ -37,8 +37,10 @@ class EMA(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for name in (self.source, self.target):
             if not isinstance(getattr(pl_module, name, None), torch.nn.Module):
-                raise AttributeError(f"EMA needs pl_module.{name} to be a module (source={self.source!r}, "
-                                     f"target={self.target!r}); build the copy in configure_model().")  # fmt: skip
+                raise AttributeError(
+                    f"EMA needs pl_module.{name} to be a module (source={self.source!r}, "
+                    f"target={self.target!r}); build the copy in configure_model()."
+                )
         self._step = trainer.global_step
 
     @override

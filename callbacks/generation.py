@@ -85,8 +85,9 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def prepare_references(metrics: dict[str, Any], real_images: Any, cache_dir: Path, data_name: str,
-                       batch_size: int) -> None:  # fmt: skip
+def prepare_references(
+    metrics: dict[str, Any], real_images: Any, cache_dir: Path, data_name: str, batch_size: int
+) -> None:
     """Load or compute (once, cached in ``cache_dir``) the reference statistics of every metric that has none.
 
     ``real_images()`` returns the real images as an indexable set of uint8 images (a tensor, or a lazy dataset such
@@ -143,8 +144,9 @@ def score_generation(
         idx = slice(b, b + batch_size)
         keep = indices[idx] < num_samples
         conditions = [prompts[i % len(prompts)] for i in indices[idx].tolist()] if prompts else labels[idx]
-        images = module.generate(conditions, seeds[idx].tolist(), num_inference_steps, guidance_scale,
-                                 batch_size=batch_size)[keep.to(module.device)]  # fmt: skip
+        images = module.generate(
+            conditions, seeds[idx].tolist(), num_inference_steps, guidance_scale, batch_size=batch_size
+        )[keep.to(module.device)]
         for metric in metrics.values():
             if isinstance(metric, HPSv2Score):
                 metric.update(images, [c for c, k in zip(conditions, keep.tolist()) if k])
@@ -226,9 +228,14 @@ class GenerationEvaluation(Callback):
         self.num_samples, self.num_classes = num_samples, num_classes
         self.num_inference_steps, self.guidance_scale, self.batch_size = num_inference_steps, guidance_scale, batch_size
         self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
-        self.weights = dict(dinov2_weights=dinov2_weights, inception_weights=inception_weights,
-                            clip_weights=clip_weights, hps_weights=hps_weights, clip_model=clip_model,
-                            hps_model=hps_model)  # fmt: skip
+        self.weights = dict(
+            dinov2_weights=dinov2_weights,
+            inception_weights=inception_weights,
+            clip_weights=clip_weights,
+            hps_weights=hps_weights,
+            clip_model=clip_model,
+            hps_model=hps_model,
+        )
         self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
         self.prompts: list[str] | None = None
         self.metrics: dict[str, Any] = {}
@@ -321,9 +328,20 @@ class GenerationEvaluation(Callback):
         self._last_step = trainer.global_step
         self._references(trainer)
         desc = f"eval @ step {trainer.global_step}"
-        values, grid = score_generation(pl_module, self.metrics, self.num_samples, self.num_classes, self.seed,
-                                        self.num_inference_steps, self.guidance_scale, self.batch_size,
-                                        self.grid_size, self.progress, desc, self.prompts)  # fmt: skip
+        values, grid = score_generation(
+            pl_module,
+            self.metrics,
+            self.num_samples,
+            self.num_classes,
+            self.seed,
+            self.num_inference_steps,
+            self.guidance_scale,
+            self.batch_size,
+            self.grid_size,
+            self.progress,
+            desc,
+            self.prompts,
+        )
         self.history.append({"step": trainer.global_step, **values})
         publish_scalars(trainer, pl_module, values, monitorable)
         if trainer.is_global_zero:
@@ -336,6 +354,5 @@ class GenerationEvaluation(Callback):
                 logger.experiment.add_image("eval/samples", sample_grid(grid), trainer.global_step)
         ckpt = trainer.checkpoint_callback
         folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else Path(trainer.log_dir or ".")
-        append_jsonl(folder / "metrics.jsonl", {"step": trainer.global_step, "epoch": trainer.current_epoch,
-                                                **values})  # fmt: skip
+        append_jsonl(folder / "metrics.jsonl", {"step": trainer.global_step, "epoch": trainer.current_epoch, **values})
         log.info("step %d: %s", trainer.global_step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))

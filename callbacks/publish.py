@@ -5,8 +5,9 @@ from __future__ import annotations
 import lightning as L
 
 
-def publish_scalars(trainer: L.Trainer, pl_module: L.LightningModule, values: dict[str, float],
-                    monitorable: bool = True) -> None:  # fmt: skip
+def publish_scalars(
+    trainer: L.Trainer, pl_module: L.LightningModule, values: dict[str, float], monitorable: bool = True
+) -> None:
     """Report ``values`` at the current global step.
 
     ``pl_module.log(..., logger=False, sync_dist=False)`` puts them in ``trainer.callback_metrics``, so

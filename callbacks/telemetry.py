@@ -38,8 +38,12 @@ def squared_norms(lists: list[list[Tensor]]) -> Tensor:
     over the shard group when they are DTensors (every rank gets the global values)."""
     flat = [t for ts in lists for t in ts]
     device = flat[0].device if flat else torch.device("cpu")
-    sums = [torch.stack([_local(t).double().square().sum() for t in ts]).sum() if ts else
-            torch.zeros((), dtype=torch.float64, device=device) for ts in lists]  # fmt: skip
+    sums = [
+        torch.stack([_local(t).double().square().sum() for t in ts]).sum()
+        if ts
+        else torch.zeros((), dtype=torch.float64, device=device)
+        for ts in lists
+    ]
     out = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
     group = _shard_group(flat)
     if group is not None:

@@ -23,8 +23,9 @@ class Net(nn.Module):
     def __init__(self, width: int = 256) -> None:
         super().__init__()
         self.embed = nn.Linear(64, width)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())
-                                    for _ in range(2))  # fmt: skip
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU()) for _ in range(2)
+        )
         self.head = nn.Linear(width, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -228,8 +228,10 @@ def load_distributed(state: dict[str, Any], path: str | os.PathLike) -> None:
         rank, failure = next(iter(err.failures.items()))
         if isinstance(failure, tuple):  # (exception, traceback) in some torch versions
             failure = failure[0]
-        raise ValueError(f"Cannot load checkpoint {path} (rank {rank}): {type(failure).__name__}: "
-                         f"{str(failure).splitlines()[0] if str(failure) else ''}") from failure
+        raise ValueError(
+            f"Cannot load checkpoint {path} (rank {rank}): {type(failure).__name__}: "
+            f"{str(failure).splitlines()[0] if str(failure) else ''}"
+        ) from failure
 
 
 def save_distributed_checkpoint(

@@ -83,8 +83,10 @@ def shard_transformer(
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     blocks = [m for name, m in module.named_modules() if re.search(BLOCK_MODULE_PATTERN, name)]
     if not blocks:
-        raise ValueError(f"No transformer blocks (modules named like {BLOCK_MODULE_PATTERN!r}) in "
-                         f"{type(module).__name__}; shard it yourself in configure_model().")  # fmt: skip
+        raise ValueError(
+            f"No transformer blocks (modules named like {BLOCK_MODULE_PATTERN!r}) in "
+            f"{type(module).__name__}; shard it yourself in configure_model()."
+        )
     for block in blocks:
         for name, sub in block.named_modules():
             if re.search(EMBEDDER_MODULE_PATTERN, name):
@@ -154,9 +156,13 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)  # fmt: skip
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self.hsdp = hsdp
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
@@ -174,8 +180,9 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
         if self.hsdp:
-            self._shard_mesh = init_device_mesh(self.root_device.type, (self.num_nodes, self.num_processes),
-                                                mesh_dim_names=("replicate", "shard"))  # fmt: skip
+            self._shard_mesh = init_device_mesh(
+                self.root_device.type, (self.num_nodes, self.num_processes), mesh_dim_names=("replicate", "shard")
+            )
         else:
             self._shard_mesh = self.device_mesh["data_parallel"]
         self.lightning_module._device_mesh = self._shard_mesh  # what configure_model() sees
@@ -214,8 +221,10 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         any other optimizer steps the FSDP2 shards as plain FSDP2."""
         for optimizer in self.optimizers:
             if not isinstance(optimizer, PeriodicRowwiseMuon):
-                rank_zero_info(f"muon_fsdp: {type(optimizer).__name__} steps the FSDP2-sharded parameters as plain "
-                               "FSDP2 (no Muon branch).")  # fmt: skip
+                rank_zero_info(
+                    f"muon_fsdp: {type(optimizer).__name__} steps the FSDP2-sharded parameters as plain "
+                    "FSDP2 (no Muon branch)."
+                )
                 continue
             for group in optimizer.param_groups:
                 if not group["use_muon"]:
@@ -223,10 +232,12 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                 for i, p in enumerate(group["params"]):
                     name = (group.get("param_names") or [f"#{i}"] * (i + 1))[i]
                     if not isinstance(p, DTensor):
-                        raise TypeError(f"Muon parameter {name} {tuple(p.shape)} is not a DTensor: under muon_fsdp "
-                                        "every matrix must be sharded with FSDP2 fully_shard (not FSDP1 flat "
-                                        "parameters, not left unsharded). Build the optimizer from the module's "
-                                        "parameters after sharding (configure_optimizers).")  # fmt: skip
+                        raise TypeError(
+                            f"Muon parameter {name} {tuple(p.shape)} is not a DTensor: under muon_fsdp "
+                            "every matrix must be sharded with FSDP2 fully_shard (not FSDP1 flat "
+                            "parameters, not left unsharded). Build the optimizer from the module's "
+                            "parameters after sharding (configure_optimizers)."
+                        )
                     try:
                         row_shard(p)
                     except ValueError as err:
@@ -292,8 +303,10 @@ class MuonFSDPStrategy(ModelParallelStrategy):
             meta = super().load_checkpoint(path, weights_only=True)
         else:
             if problem := checkpoint_problem(path):
-                raise ValueError(f"Cannot resume from {path}: {problem}. Pass the checkpoint directory instead to "
-                                 "resume from the newest complete checkpoint in it.")  # fmt: skip
+                raise ValueError(
+                    f"Cannot resume from {path}: {problem}. Pass the checkpoint directory instead to "
+                    "resume from the newest complete checkpoint in it."
+                )
             assert self.model is not None and self.lightning_module is not None
             model_state = {"state_dict": get_model_state_dict(self.model)}
             load_distributed(model_state, path)
@@ -302,8 +315,9 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                 key = f"optimizer_{i}"
                 optim_state = {key: get_optimizer_state_dict(self.model, optimizer)}
                 load_distributed(optim_state, path)
-                set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
-                                         options=StateDictOptions(cpu_offload=True))  # fmt: skip
+                set_optimizer_state_dict(
+                    self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+                )
             meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
         _restore_loader_position(meta.get("loops", {}).get("fit_loop", {}), self.global_rank, self.world_size)
         return meta

@@ -56,8 +56,13 @@ def resize_normalize(x: Tensor, size: int, mean: tuple[float, ...], std: tuple[f
     h, w = x.shape[-2:]
     if (h, w) != (size, size):
         scale = size / min(h, w)
-        x = F.interpolate(x, size=(max(size, round(h * scale)), max(size, round(w * scale))), mode="bicubic",
-                          antialias=True, align_corners=False)  # fmt: skip
+        x = F.interpolate(
+            x,
+            size=(max(size, round(h * scale)), max(size, round(w * scale))),
+            mode="bicubic",
+            antialias=True,
+            align_corners=False,
+        )
         top, left = (x.shape[-2] - size) // 2, (x.shape[-1] - size) // 2
         x = x[..., top : top + size, left : left + size]
     mean_t = torch.tensor(mean, device=x.device).view(1, -1, 1, 1)

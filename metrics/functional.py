@@ -63,8 +63,9 @@ def _kth_neighbour_sq_radii(x: Tensor, k: int, chunk: int) -> Tensor:
     for i in range(0, n, chunk):
         for j in range(i, n, chunk):
             d = _sq_dists(x[i : i + chunk], x[j : j + chunk], x_sq[i : i + chunk], x_sq[j : j + chunk])
-            best[i : i + chunk] = _merge_smallest(best[i : i + chunk], d.topk(min(k + 1, d.shape[1]), dim=1,
-                                                                              largest=False).values)  # fmt: skip
+            best[i : i + chunk] = _merge_smallest(
+                best[i : i + chunk], d.topk(min(k + 1, d.shape[1]), dim=1, largest=False).values
+            )
             if j != i:
                 col = d.topk(min(k + 1, d.shape[0]), dim=0, largest=False).values.T
                 best[j : j + chunk] = _merge_smallest(best[j : j + chunk], col)
@@ -140,8 +141,10 @@ def mmd(x: Tensor, y: Tensor, sigma: float = 10.0, scale: float = 1000.0, chunk_
 
     def mean_kernel(a: Tensor, b: Tensor) -> Tensor:
         a_sq, b_sq = a.square().sum(1), b.square().sum(1)
-        blocks = (_sq_dists(a[i : i + chunk_size], b, a_sq[i : i + chunk_size], b_sq).clamp_min_(0)
-                  for i in range(0, len(a), chunk_size))  # fmt: skip
+        blocks = (
+            _sq_dists(a[i : i + chunk_size], b, a_sq[i : i + chunk_size], b_sq).clamp_min_(0)
+            for i in range(0, len(a), chunk_size)
+        )
         return sum(d.mul_(-gamma).exp_().sum() for d in blocks) / (len(a) * len(b))
 
     return scale * (mean_kernel(x, x) + mean_kernel(y, y) - 2 * mean_kernel(x, y))

@@ -71,13 +71,17 @@ class _ReferenceCache:
         """
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"Reference statistics file {str(path)!r} does not exist; create it with "
-                                    "save_reference() after updating the metric with real images.")  # fmt: skip
+            raise FileNotFoundError(
+                f"Reference statistics file {str(path)!r} does not exist; create it with "
+                "save_reference() after updating the metric with real images."
+            )
         saved = torch.load(path, map_location="cpu", weights_only=True)
         tag = {k: saved.get(k) for k in self._tag()}
         if tag != self._tag():
-            raise ValueError(f"Reference statistics in {str(path)!r} were made for {tag}, but this metric is "
-                             f"{self._tag()}. Delete the file to recompute it with the current extractor.")  # fmt: skip
+            raise ValueError(
+                f"Reference statistics in {str(path)!r} were made for {tag}, but this metric is "
+                f"{self._tag()}. Delete the file to recompute it with the current extractor."
+            )
         self.reference = {k: v.to(self.device) for k, v in saved["reference"].items()}
 
     def _check_real_update(self, real: bool) -> None:
@@ -212,8 +216,9 @@ class HPSv2Score(Metric):
     higher_is_better = True
     full_state_update = False
 
-    def __init__(self, weights: str | os.PathLike, model_name: str = "ViT-H-14", batch_size: int = 32,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, weights: str | os.PathLike, model_name: str = "ViT-H-14", batch_size: int = 32, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         import open_clip
 
@@ -259,8 +264,14 @@ def update_with_images(
 
     count = 0
     total = len(batches) if hasattr(batches, "__len__") else None
-    bar = tqdm(batches, total=total, desc=desc or ("real" if real else "generated"), unit="batch",
-               disable=not progress, leave=False)  # fmt: skip
+    bar = tqdm(
+        batches,
+        total=total,
+        desc=desc or ("real" if real else "generated"),
+        unit="batch",
+        disable=not progress,
+        leave=False,
+    )
     for images in bar:
         metric.update(images, real=real)
         count += len(images)

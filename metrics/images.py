@@ -37,8 +37,12 @@ class ImageFolder(Dataset):
             self.classes = sorted(d.name for d in self.root.iterdir() if d.is_dir()) if self.root.is_dir() else []
             if not self.classes:
                 raise FileNotFoundError(f"{self.root} has neither class sub-folders nor a captions.jsonl file.")
-            pairs = [(f, c) for c, name in enumerate(self.classes) for f in sorted((self.root / name).iterdir())
-                     if f.suffix.lower() in IMAGE_SUFFIXES]  # fmt: skip
+            pairs = [
+                (f, c)
+                for c, name in enumerate(self.classes)
+                for f in sorted((self.root / name).iterdir())
+                if f.suffix.lower() in IMAGE_SUFFIXES
+            ]
             self.files, self.labels = [f for f, _ in pairs], [c for _, c in pairs]
             self.captions = None
         self.skipped = 0

@@ -46,8 +46,12 @@ def build_metrics(
         ValueError: an unknown name, or a name whose weights argument is missing.
         FileNotFoundError: weights that do not exist (raised by the extractor).
     """
-    weights = {"dinov2_weights": dinov2_weights, "inception_weights": inception_weights,
-               "clip_weights": clip_weights, "hps_weights": hps_weights}  # fmt: skip
+    weights = {
+        "dinov2_weights": dinov2_weights,
+        "inception_weights": inception_weights,
+        "clip_weights": clip_weights,
+        "hps_weights": hps_weights,
+    }
     for name in names:
         if name not in METRIC_NAMES:
             raise ValueError(f"Unknown metric {name!r}; choose from {sorted(METRIC_NAMES)}.")

@@ -71,7 +71,7 @@ def main(args: list[str] | None = None) -> None:
         parser_kwargs={
             "fit": {"default_config_files": [str(DEFAULT_CONFIG)]},
             "description": "Train Diffusion Transformers with Periodic Row-wise Muon.",
-        },  # fmt: skip
+        },
         args=args,
     )
 

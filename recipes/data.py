@@ -61,8 +61,9 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(self, dataset: Dataset, batch_size: int, sampler=None, seed: int = 0, **kwargs) -> None:
         kwargs.setdefault("drop_last", True)
-        super().__init__(dataset, batch_size=batch_size, sampler=sampler or SeededShuffleSampler(len(dataset), seed),
-                         **kwargs)  # fmt: skip
+        super().__init__(
+            dataset, batch_size=batch_size, sampler=sampler or SeededShuffleSampler(len(dataset), seed), **kwargs
+        )
         self.consumed = 0
         self._resume: dict[str, int] | None = None
 
@@ -128,8 +129,9 @@ class DigitsDataModule(L.LightningDataModule):
 class ImageFolderDataModule(L.LightningDataModule):
     """:class:`ImageFolder` for training (class-conditional or captioned)."""
 
-    def __init__(self, root: str, image_size: int = 256, batch_size: int = 32, num_workers: int = 4,
-                 skip_corrupt: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, root: str, image_size: int = 256, batch_size: int = 32, num_workers: int = 4, skip_corrupt: bool = False
+    ) -> None:
         super().__init__()
         self.root, self.image_size, self.batch_size = root, image_size, batch_size
         self.num_workers, self.skip_corrupt = num_workers, skip_corrupt
@@ -155,8 +157,15 @@ class LatentShardsDataModule(L.LightningDataModule):
         seed: shuffling seed (epoch e uses ``seed + e``).
     """
 
-    def __init__(self, root: str, batch_size: int = 32, num_workers: int = 2, val_root: str | None = None,
-                 val_fraction: float = 0.0, seed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: str,
+        batch_size: int = 32,
+        num_workers: int = 2,
+        val_root: str | None = None,
+        val_fraction: float = 0.0,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
@@ -183,8 +192,13 @@ class LatentShardsDataModule(L.LightningDataModule):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         sampler = GlobalBatchSampler(ids, self.batch_size, shuffle=shuffle, seed=self.seed)
-        return StatefulDataLoader(dataset, batch_size=None, sampler=sampler, num_workers=self.num_workers,
-                                  persistent_workers=self.num_workers > 0)  # fmt: skip
+        return StatefulDataLoader(
+            dataset,
+            batch_size=None,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.train_ids, shuffle=True)

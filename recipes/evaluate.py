@@ -173,8 +173,9 @@ def _init_distributed(device: str | None) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="lightning-muon evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="lightning-muon evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("runs", nargs="+", help="run directories or globs (checkpoints are found recursively)")
     parser.add_argument("--out", default="eval", help="output directory (results.csv, results.md, <metric>.png)")
     parser.add_argument("--metrics", nargs="+", default=["fd_digits", "prdc_digits"], choices=sorted(METRIC_NAMES))
@@ -194,8 +195,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip-model", default="ViT-L-14-336", help="open_clip architecture (or model-config JSON)")
     parser.add_argument("--hps-model", default="ViT-H-14", help="open_clip architecture (or model-config JSON)")
     parser.add_argument("--device", default=None, help="default: CUDA (this rank's GPU under torchrun), else cpu")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="weights of the sampling network; auto: bf16 on CUDA, fp32 on CPU")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="weights of the sampling network; auto: bf16 on CUDA, fp32 on CPU",
+    )
     args = parser.parse_args(argv)
 
     import torch.distributed as dist
@@ -212,8 +217,15 @@ def main(argv: list[str] | None = None) -> None:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    metrics = build_metrics(args.metrics, args.dinov2_weights, args.inception_weights, args.clip_weights,
-                            args.hps_weights, args.clip_model, args.hps_model)  # fmt: skip
+    metrics = build_metrics(
+        args.metrics,
+        args.dinov2_weights,
+        args.inception_weights,
+        args.clip_weights,
+        args.hps_weights,
+        args.clip_model,
+        args.hps_model,
+    )
     for metric in metrics.values():
         metric.to(device)
     if args.real == "digits":
@@ -240,9 +252,18 @@ def main(argv: list[str] | None = None) -> None:
             continue
         hparams = meta.get("hyper_parameters") or {}
         num_classes = args.num_classes or hparams.get("num_classes", 10)
-        values, _ = score_generation(module, metrics, args.num_samples, num_classes, args.seed,
-                                     args.num_inference_steps, args.guidance_scale, args.batch_size,
-                                     desc=ckpt.name, prompts=prompts)  # fmt: skip
+        values, _ = score_generation(
+            module,
+            metrics,
+            args.num_samples,
+            num_classes,
+            args.seed,
+            args.num_inference_steps,
+            args.guidance_scale,
+            args.batch_size,
+            desc=ckpt.name,
+            prompts=prompts,
+        )
         rows.append({"run": run, "checkpoint": str(ckpt), "step": int(meta.get("global_step", 0)), **values})
         del module
         if rank0:

@@ -43,9 +43,18 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 FORMAT = "lightning-muon-latents/1"
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}  # fmt: skip
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def write_latent_shard(path: str | os.PathLike, latents: Tensor, **conditions: Tensor) -> None:
@@ -91,15 +100,21 @@ def write_manifest(root: str | os.PathLike, shards: Sequence[str | os.PathLike] 
         _, header = read_safetensors_header(path)
         rows = {len(v["shape"]) and v["shape"][0] for v in header.values()}
         if len(rows) != 1 or "latents" not in header:
-            raise ValueError(f"Shard {path} needs a 'latents' tensor and the same row count in every tensor, got "
-                             f"{({k: v['shape'] for k, v in header.items()})}.")  # fmt: skip
+            raise ValueError(
+                f"Shard {path} needs a 'latents' tensor and the same row count in every tensor, got "
+                f"{ ({k: v['shape'] for k, v in header.items()}) }."
+            )
         if schema is None:
             schema = _schema(header)
         elif _schema(header) != schema:
             raise ValueError(f"Shard {path} has schema {_schema(header)}, the first shard {schema}.")
         entries.append({"file": path.name, "num_samples": rows.pop()})
-    manifest = {"format": FORMAT, "num_samples": sum(e["num_samples"] for e in entries), "schema": schema,
-                "shards": entries}  # fmt: skip
+    manifest = {
+        "format": FORMAT,
+        "num_samples": sum(e["num_samples"] for e in entries),
+        "schema": schema,
+        "shards": entries,
+    }
     atomic_write(root / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
     return root / MANIFEST
 
@@ -136,7 +151,7 @@ class LatentShards(Dataset):
             if _schema(header) != self.schema or any(v["shape"][0] != entry["num_samples"] for v in header.values()):
                 raise ValueError(
                     f"Shard {path} does not match {manifest_path}: it has "
-                    f"{({k: (v['dtype'], v['shape']) for k, v in header.items()})}, the manifest "
+                    f"{ ({k: (v['dtype'], v['shape']) for k, v in header.items()}) }, the manifest "
                     f"{entry['num_samples']} rows of {self.schema}. Re-encode it (delete it and rerun encode_latents)."
                 )
             self.headers.append((start, header))
@@ -224,8 +239,10 @@ class GlobalBatchSampler(DistributedSampler):
         rank, world = _world()
         global_batch = self.batch_size * world
         if len(self.ids) < global_batch:
-            raise ValueError(f"{len(self.ids)} samples are fewer than one global batch ({world} ranks x "
-                             f"{self.batch_size}): lower batch_size or add data.")  # fmt: skip
+            raise ValueError(
+                f"{len(self.ids)} samples are fewer than one global batch ({world} ranks x "
+                f"{self.batch_size}): lower batch_size or add data."
+            )
         order = self.order()
         for take in _step_sizes(len(self.ids) - self.consumed, global_batch):
             chunk = order[self.consumed : self.consumed + take]

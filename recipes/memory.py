@@ -62,8 +62,9 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
     groups = muon_param_groups(model)
     matrices = [p for g in groups if g["use_muon"] for p in g["params"]]
     muon, total = sum(p.numel() for p in matrices), sum(p.numel() for p in model.parameters())
-    block = max(sum(p.numel() for p in m.parameters()) for n, m in model.named_modules()
-                if re.search(BLOCK_MODULE_PATTERN, n))  # fmt: skip
+    block = max(
+        sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if re.search(BLOCK_MODULE_PATTERN, n)
+    )
     ema = total if model_cfg.get("ema_decay", 0.999) > 0 else 0
     states = (4 * total + 4 * total + 4 * ema + 4 * muon + 8 * (total - muon)) / gpus
     fsdp = 2 * 2 * block + 4 * block
@@ -82,10 +83,22 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
         per_block += 10 * s * batch * h + 4 * model_cfg.get("max_caption_length", 120) * batch * h
     checkpointing = bool(model_cfg.get("gradient_checkpointing"))
     activations = layers * 2 * s * batch * h + per_block if checkpointing else layers * per_block
-    parts = {"states": states, "fsdp": fsdp, "refresh": refresh, "frozen": frozen, "eval": evaluation,
-             "activations": activations}  # fmt: skip
-    return {"params_B": total / 1e9, "gpus": gpus, "batch": batch, "checkpointing": checkpointing,
-            **{k: v / GIB for k, v in parts.items()}, "total": sum(parts.values()) / GIB}  # fmt: skip
+    parts = {
+        "states": states,
+        "fsdp": fsdp,
+        "refresh": refresh,
+        "frozen": frozen,
+        "eval": evaluation,
+        "activations": activations,
+    }
+    return {
+        "params_B": total / 1e9,
+        "gpus": gpus,
+        "batch": batch,
+        "checkpointing": checkpointing,
+        **{k: v / GIB for k, v in parts.items()},
+        "total": sum(parts.values()) / GIB,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,8 +114,10 @@ def main(argv: list[str] | None = None) -> None:
         r = memory_per_gpu(load_config(*spec.split("+")))
         name = spec.split("+")[-1].rsplit("/", 1)[-1]
         cells = " | ".join(f"{r[c]:.2f} GiB" for c in columns)
-        print(f"| {name} | {r['params_B']:.2f}B | {r['gpus']} | {r['batch']} | {'yes' if r['checkpointing'] else 'no'} "
-              f"| {cells} |")
+        print(
+            f"| {name} | {r['params_B']:.2f}B | {r['gpus']} | {r['batch']} | {'yes' if r['checkpointing'] else 'no'} "
+            f"| {cells} |"
+        )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ ARCHITECTURES = ("dit", "pixart")
 OBJECTIVES = ("flow", "ddpm")
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
-TINY_DIT = dict(num_attention_heads=4, attention_head_dim=32, in_channels=1, num_layers=4, sample_size=8,
-                patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+TINY_DIT = dict(
+    num_attention_heads=4,
+    attention_head_dim=32,
+    in_channels=1,
+    num_layers=4,
+    sample_size=8,
+    patch_size=2,
+    num_embeds_ada_norm=10,
+)
 
 
 def build_transformer(architecture: str, config: dict[str, Any]) -> nn.Module:
@@ -41,8 +48,9 @@ def build_transformer(architecture: str, config: dict[str, Any]) -> nn.Module:
     return model
 
 
-def logit_normal_timesteps(n: int, generator: torch.Generator | None = None, mean: float = 0.0,
-                           std: float = 1.0) -> Tensor:  # fmt: skip
+def logit_normal_timesteps(
+    n: int, generator: torch.Generator | None = None, mean: float = 0.0, std: float = 1.0
+) -> Tensor:
     """t = sigmoid(u), u ~ N(mean, std²): the logit-normal sampling of rectified-flow training (SD3)."""
     return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
 
@@ -52,9 +60,11 @@ def _load_local(cls: Any, path: str, argument: str) -> Any:
     try:
         return cls.from_pretrained(path, local_files_only=True)
     except OSError as err:
-        raise FileNotFoundError(f"Cannot load {cls.__name__} from {path!r} ({argument}): not a local directory nor a "
-                                "cached hub id, and nothing is downloaded. Pass a directory made with "
-                                "save_pretrained().") from err  # fmt: skip
+        raise FileNotFoundError(
+            f"Cannot load {cls.__name__} from {path!r} ({argument}): not a local directory nor a "
+            "cached hub id, and nothing is downloaded. Pass a directory made with "
+            "save_pretrained()."
+        ) from err
 
 
 class PromptEncoder(nn.Module):
@@ -74,8 +84,9 @@ class PromptEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, prompts: Sequence[str]) -> dict[str, Tensor]:
         device = next(self.encoder.parameters()).device
-        tokens = self.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
-                                return_tensors="pt").to(device)  # fmt: skip
+        tokens = self.tokenizer(
+            list(prompts), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(device)
         embeds = self.encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
         return {"caption_embeds": embeds.float(), "caption_mask": tokens.attention_mask}
 
@@ -146,11 +157,14 @@ class DiTModule(L.LightningModule):
         nonfinite: str = "skip",
     ) -> None:
         super().__init__()
-        for name, value, choices in (("optimizer", optimizer, OPTIMIZERS), ("objective", objective, OBJECTIVES),
-                                     ("timestep_sampling", timestep_sampling, ("logit_normal", "uniform")),
-                                     ("schedule", schedule, ("cosine", "constant")),
-                                     ("architecture", architecture, ARCHITECTURES),
-                                     ("nonfinite", nonfinite, ("skip", "raise", "ignore"))):  # fmt: skip
+        for name, value, choices in (
+            ("optimizer", optimizer, OPTIMIZERS),
+            ("objective", objective, OBJECTIVES),
+            ("timestep_sampling", timestep_sampling, ("logit_normal", "uniform")),
+            ("schedule", schedule, ("cosine", "constant")),
+            ("architecture", architecture, ARCHITECTURES),
+            ("nonfinite", nonfinite, ("skip", "raise", "ignore")),
+        ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
         if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
@@ -235,7 +249,7 @@ class DiTModule(L.LightningModule):
                     interpolation_scale=module.interpolation_scale,
                     output_type="pt",
                 )
-                module.pos_embed.copy_(table.float().unsqueeze(0).to(module.pos_embed.device))  # fmt: skip
+                module.pos_embed.copy_(table.float().unsqueeze(0).to(module.pos_embed.device))
         for name, p in self.model.named_parameters():
             if name.endswith("scale_shift_table"):
                 full = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
@@ -260,8 +274,13 @@ class DiTModule(L.LightningModule):
         if self.hparams.architecture == "dit":
             return net(x, timestep=timestep, class_labels=cond["labels"]).sample
         kwargs = {"resolution": None, "aspect_ratio": None}
-        return net(x, encoder_hidden_states=cond["caption_embeds"], encoder_attention_mask=cond.get("caption_mask"),
-                   timestep=timestep, added_cond_kwargs=kwargs).sample  # fmt: skip
+        return net(
+            x,
+            encoder_hidden_states=cond["caption_embeds"],
+            encoder_attention_mask=cond.get("caption_mask"),
+            timestep=timestep,
+            added_cond_kwargs=kwargs,
+        ).sample
 
     def _null(self, cond: dict[str, Tensor]) -> dict[str, Tensor]:
         if "labels" in cond:
@@ -333,8 +352,9 @@ class DiTModule(L.LightningModule):
         g = torch.Generator().manual_seed(batch_idx)
         noise = torch.randn(x0.shape, generator=g).to(x0)
         grid = (torch.arange(self.hparams.val_timesteps) + 0.5) / self.hparams.val_timesteps
-        losses = [self.loss(self.model, x0, cond, torch.full((len(x0),), float(t), device=self.device), noise)
-                  for t in grid]  # fmt: skip
+        losses = [
+            self.loss(self.model, x0, cond, torch.full((len(x0),), float(t), device=self.device), noise) for t in grid
+        ]
         self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
 
     def configure_callbacks(self) -> list[Callback]:
@@ -352,9 +372,17 @@ class DiTModule(L.LightningModule):
             groups = [{"params": list(self.model.named_parameters()), "use_muon": False, **adamw}]
         else:
             groups = muon_param_groups(self.model, adamw=adamw)
-        opt = PeriodicRowwiseMuon(groups, lr=h.lr, period=1 if h.optimizer == "muon" else h.period,
-                                  rownorm_scale=h.rownorm_scale, momentum=h.momentum, weight_decay=h.weight_decay,
-                                  adjust_lr=h.adjust_lr, ns_dtype=h.ns_dtype, nonfinite=h.nonfinite)  # fmt: skip
+        opt = PeriodicRowwiseMuon(
+            groups,
+            lr=h.lr,
+            period=1 if h.optimizer == "muon" else h.period,
+            rownorm_scale=h.rownorm_scale,
+            momentum=h.momentum,
+            weight_decay=h.weight_decay,
+            adjust_lr=h.adjust_lr,
+            ns_dtype=h.ns_dtype,
+            nonfinite=h.nonfinite,
+        )
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
 
         def factor(step: int) -> float:

@@ -68,11 +68,22 @@ def sharded_run(rank, world_size, shapes, cases, steps=10, mesh_shape=None):
             for p, g in zip(params, grads):
                 p.grad = distribute_tensor(g, mesh, placements)
             counts = count_collectives(opt.step)
-            per_step.append({"branches": dict(opt.last_branches), "stats": opt.comm_stats(), "profiled": counts,
-                             "ns_flops": opt.last_ns_flops})  # fmt: skip
-        results.append({"params": [p.full_tensor() for p in params], "steps": per_step,
-                        "local_types": [type(opt.state[p]["momentum_buffer"]).__name__ for p in params],
-                        "placements": [str(p.placements) for p in params]})  # fmt: skip
+            per_step.append(
+                {
+                    "branches": dict(opt.last_branches),
+                    "stats": opt.comm_stats(),
+                    "profiled": counts,
+                    "ns_flops": opt.last_ns_flops,
+                }
+            )
+        results.append(
+            {
+                "params": [p.full_tensor() for p in params],
+                "steps": per_step,
+                "local_types": [type(opt.state[p]["momentum_buffer"]).__name__ for p in params],
+                "placements": [str(p.placements) for p in params],
+            }
+        )
     return results
 
 
@@ -99,8 +110,17 @@ def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_sam
     from lightning_muon.recipes.module import DiTModule
 
     torch.manual_seed(0)
-    module = DiTModule(model_config=dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2,
-                                         sample_size=8, patch_size=2, num_embeds_ada_norm=10))  # fmt: skip
+    module = DiTModule(
+        model_config=dict(
+            num_attention_heads=2,
+            attention_head_dim=16,
+            in_channels=1,
+            num_layers=2,
+            sample_size=8,
+            patch_size=2,
+            num_embeds_ada_norm=10,
+        )
+    )
     module.configure_model()
     features = DigitsFeatures(classifier_path)
     metrics = {"fd_digits": FrechetDistance(features), "prdc_digits": PrecisionRecallDensityCoverage(features)}
@@ -132,8 +152,9 @@ def nonfinite_run(params, opt, bad_step, place=lambda g: g, steps=4):
 
 def nonfinite_optimizer(params, period, mode, nonfinite):
     groups = [{"params": params[:2]}, {"params": params[2:], "use_muon": False}]
-    return PeriodicRowwiseMuon(groups, period=period, refresh=mode, nonfinite=nonfinite, weight_decay=0.01,
-                               ns_dtype=torch.float32)  # fmt: skip
+    return PeriodicRowwiseMuon(
+        groups, period=period, refresh=mode, nonfinite=nonfinite, weight_decay=0.01, ns_dtype=torch.float32
+    )
 
 
 def nonfinite_dense(period, mode, nonfinite, bad_step):
@@ -168,8 +189,17 @@ def meta_init_worker(rank, world_size):
     from lightning_muon.recipes.module import DiTModule
 
     mesh = init_device_mesh("cpu", (world_size,))
-    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=2,
-                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    pixart = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        cross_attention_dim=16,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=12,
+    )
     out = {}
     for arch, config in (("dit", None), ("pixart", pixart)):
         reference = DiTModule(architecture=arch, model_config=config)
@@ -190,7 +220,7 @@ def meta_init_worker(rank, world_size):
             "ema_equal": all(
                 torch.equal(e.full_tensor(), p.full_tensor())
                 for e, p in zip(module.ema.parameters(), module.model.parameters())
-            ),  # fmt: skip
+            ),
         }
     return out
 

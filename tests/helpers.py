@@ -8,9 +8,14 @@ def tiny_dit(num_layers: int = 2, num_classes: int = 10, seed: int = 0):
 
     torch.manual_seed(seed)
     return DiTTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=num_layers, sample_size=8,
-        patch_size=2, num_embeds_ada_norm=num_classes,
-    )  # fmt: skip
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        num_layers=num_layers,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=num_classes,
+    )
 
 
 def tiny_pixart(num_layers: int = 2, seed: int = 0):
@@ -18,9 +23,16 @@ def tiny_pixart(num_layers: int = 2, seed: int = 0):
 
     torch.manual_seed(seed)
     return PixArtTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=num_layers,
-        cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12,
-    )  # fmt: skip
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=8,
+        num_layers=num_layers,
+        cross_attention_dim=16,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=12,
+    )
 
 
 # ------------------------------------------------------------------------------------------- multi-process runs
@@ -112,11 +124,15 @@ def tiny_text_encoder(path):
     words = ["<pad>", "</s>", "<unk>", "a", "red", "blue", "cat", "dog", "car", "two", "birds"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(path)  # fmt: skip
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(path)
     torch.manual_seed(0)
-    T5EncoderModel(T5Config(vocab_size=len(words), d_model=12, d_kv=4, num_heads=2, num_layers=1, d_ff=16,
-                            decoder_start_token_id=0)).save_pretrained(path)  # fmt: skip
+    T5EncoderModel(
+        T5Config(
+            vocab_size=len(words), d_model=12, d_kv=4, num_heads=2, num_layers=1, d_ff=16, decoder_start_token_id=0
+        )
+    ).save_pretrained(path)
 
 
 def tiny_open_clip_config(tmp_path):
@@ -189,8 +205,9 @@ def tiny_dinov2(path):
     from transformers import Dinov2Config, Dinov2Model
 
     torch.manual_seed(0)
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                          patch_size=14, image_size=56)  # fmt: skip
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, patch_size=14, image_size=56
+    )
     Dinov2Model(config).save_pretrained(path)
     return path
 

@@ -20,8 +20,15 @@ from lightning_muon.recipes.evaluate import checkpoint_meta, find_checkpoints, l
 from lightning_muon.recipes.evaluate import main as evaluate
 from lightning_muon.recipes.module import DiTModule
 
-SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8,
-                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+SMALL_DIT = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=1,
+    num_layers=2,
+    sample_size=8,
+    patch_size=2,
+    num_embeds_ada_norm=10,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,40 +55,62 @@ def event_scalars(log_dir):
 
 def fit(root, max_steps, callbacks, optimizer="periodic_muon", log_every=1, strategy="auto"):
     L.seed_everything(0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, default_root_dir=root,
-                        logger=TensorBoardLogger(root, name="logs"), enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, log_every_n_steps=log_every,
-                        strategy=strategy, callbacks=callbacks)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        default_root_dir=root,
+        logger=TensorBoardLogger(root, name="logs"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        log_every_n_steps=log_every,
+        strategy=strategy,
+        callbacks=callbacks,
+    )
     trainer.fit(DiTModule(model_config=SMALL_DIT, optimizer=optimizer), DigitsDataModule(batch_size=32))
     return trainer
 
 
 def test_generation_evaluation_logs_at_the_expected_steps(cache, tmp_path):
-    evaluation = GenerationEvaluation(every_n_steps=10, num_samples=64, num_inference_steps=3, batch_size=32,
-                                      grid_size=16, progress=False)  # fmt: skip
+    evaluation = GenerationEvaluation(
+        every_n_steps=10, num_samples=64, num_inference_steps=3, batch_size=32, grid_size=16, progress=False
+    )
     trainer = fit(tmp_path, 25, [evaluation, ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)])
     acc = event_scalars(trainer.logger.log_dir)
     fd = acc.Scalars("eval/fd_digits")
     assert [e.step for e in fd] == [10, 20, 25]  # every 10 steps, and at the end of training
     assert {"eval/precision_digits", "eval/recall_digits", "eval/seconds"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Images("eval/samples")] == [10, 20, 25]
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl")
-            .read_text().splitlines()]  # fmt: skip
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == [10, 20, 25]
     assert [r["eval/fd_digits"] for r in rows] == pytest.approx([e.value for e in fd], rel=1e-6)
 
 
 def test_best_fd_checkpoint_is_the_lowest_fd_in_metrics_jsonl(cache, tmp_path):
     def best(mode):
-        return ModelCheckpoint(dirpath=tmp_path / mode, monitor="eval/fd_digits", mode=mode, every_n_train_steps=2,
-                               save_top_k=1, filename="best-step={step}", auto_insert_metric_name=False)  # fmt: skip
+        return ModelCheckpoint(
+            dirpath=tmp_path / mode,
+            monitor="eval/fd_digits",
+            mode=mode,
+            every_n_train_steps=2,
+            save_top_k=1,
+            filename="best-step={step}",
+            auto_insert_metric_name=False,
+        )
 
-    evaluation = GenerationEvaluation(every_n_steps=2, num_samples=32, num_inference_steps=2, batch_size=32,
-                                      grid_size=16, progress=False)  # fmt: skip
+    evaluation = GenerationEvaluation(
+        every_n_steps=2, num_samples=32, num_inference_steps=2, batch_size=32, grid_size=16, progress=False
+    )
     lowest, highest = best("min"), best("max")
     trainer = fit(tmp_path, 10, [ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), evaluation, lowest, highest])
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl")
-            .read_text().splitlines()]  # fmt: skip
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl").read_text().splitlines()
+    ]
     fd = {r["step"]: r["eval/fd_digits"] for r in rows}
     assert sorted(fd) == [2, 4, 6, 8, 10]
     argmin, argmax = min(fd, key=fd.get), max(fd, key=fd.get)
@@ -125,12 +154,15 @@ def test_evaluate_two_runs_writes_csv_markdown_png_and_resumes(cache, tmp_path):
     for name, optimizer in (("adamw", "adamw"), ("periodic", "periodic_muon")):
         fit(tmp_path / name, 20, [ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)], optimizer=optimizer)
     runs = [str(tmp_path / "adamw"), str(tmp_path / "periodic")]
-    args = ["--out", str(tmp_path / "eval"), "--num-samples", "48", "--num-inference-steps", "3",
-            "--batch-size", "48"]  # fmt: skip
+    args = ["--out", str(tmp_path / "eval"), "--num-samples", "48", "--num-inference-steps", "3", "--batch-size", "48"]
     evaluate(runs + args)
     rows = list(csv.DictReader((tmp_path / "eval" / "results.csv").open()))
-    assert sorted((r["run"], int(r["step"])) for r in rows) == [("adamw", 10), ("adamw", 20), ("periodic", 10),
-                                                                ("periodic", 20)]  # fmt: skip
+    assert sorted((r["run"], int(r["step"])) for r in rows) == [
+        ("adamw", 10),
+        ("adamw", 20),
+        ("periodic", 10),
+        ("periodic", 20),
+    ]
     assert "| adamw | 10 |" in (tmp_path / "eval" / "results.md").read_text()
     png = tmp_path / "eval" / "fd_digits.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -141,11 +173,27 @@ def test_evaluate_two_runs_writes_csv_markdown_png_and_resumes(cache, tmp_path):
 
 @pytest.mark.distributed
 def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
-    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--trainer.strategy", "muon_fsdp",
-           "--trainer.devices", "1", "--trainer.max_steps", "10", "--trainer.enable_progress_bar", "false",
-           "--trainer.callbacks", "[]", "--trainer.val_check_interval", "10",
-           "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-           "--trainer.callbacks.every_n_train_steps", "10"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_muon.recipes.cli",
+        "fit",
+        "--trainer.strategy",
+        "muon_fsdp",
+        "--trainer.devices",
+        "1",
+        "--trainer.max_steps",
+        "10",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--trainer.callbacks",
+        "[]",
+        "--trainer.val_check_interval",
+        "10",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps",
+        "10",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (ckpt,) = find_checkpoints(str(tmp_path / "lightning_logs"))
@@ -159,15 +207,27 @@ def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
     dcp.load({"state_dict": {f"ema.{key}": ema, f"model.{key}": trained}}, checkpoint_id=str(ckpt))
     assert module.ema is None and torch.equal(module.model.state_dict()[key], ema) and not torch.equal(ema, trained)
     out = tmp_path / "eval"
-    evaluate([str(tmp_path / "lightning_logs"), "--out", str(out), "--num-samples", "32", "--num-inference-steps",
-              "2", "--batch-size", "32"])  # fmt: skip
+    evaluate(
+        [
+            str(tmp_path / "lightning_logs"),
+            "--out",
+            str(out),
+            "--num-samples",
+            "32",
+            "--num-inference-steps",
+            "2",
+            "--batch-size",
+            "32",
+        ]
+    )
     assert (out / "results.csv").read_text().count("\n") == 2
     assert torch.isfinite(torch.tensor(float(next(csv.DictReader((out / "results.csv").open()))["eval/fd_digits"])))
 
 
 def test_generation_evaluation_on_every_checkpoint(cache, tmp_path):
-    evaluation = GenerationEvaluation(every_n_steps=0, on_checkpoint=True, num_samples=32, num_inference_steps=2,
-                                      batch_size=32, progress=False)  # fmt: skip
+    evaluation = GenerationEvaluation(
+        every_n_steps=0, on_checkpoint=True, num_samples=32, num_inference_steps=2, batch_size=32, progress=False
+    )
     trainer = fit(tmp_path, 14, [evaluation, ModelCheckpoint(every_n_train_steps=7, save_top_k=-1, save_last=True)])
     assert [h["step"] for h in evaluation.history] == [7, 14]
     assert [e.step for e in event_scalars(trainer.logger.log_dir).Scalars("eval/fd_digits")] == [7, 14]
@@ -182,11 +242,21 @@ def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
 
     tiny_text_encoder(tmp_path / "t5")
     _, clip_path = tiny_open_clip_config(tmp_path)
-    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=3, out_channels=3, num_layers=1,
-                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    pixart = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=3,
+        out_channels=3,
+        num_layers=1,
+        cross_attention_dim=16,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=12,
+    )
     torch.manual_seed(0)
-    module = DiTModule(architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "t5"),
-                       max_caption_length=6)  # fmt: skip
+    module = DiTModule(
+        architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "t5"), max_caption_length=6
+    )
     module.configure_model()
     prompts = ["a red cat", "a dog", "two birds"]
     metrics = {
@@ -234,9 +304,17 @@ def test_ema_updates_once_per_optimizer_step_under_gradient_accumulation(tmp_pat
     for batch_size, accumulate in ((32, 1), (16, 2)):
         module, ema = _Regression(), EMA(decay)
         module.batch_size = batch_size
-        trainer = L.Trainer(accelerator="cpu", max_steps=8, accumulate_grad_batches=accumulate, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            callbacks=[ema], default_root_dir=tmp_path)  # fmt: skip
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=8,
+            accumulate_grad_batches=accumulate,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ema],
+            default_root_dir=tmp_path,
+        )
         trainer.fit(module)
         assert ema.updates == trainer.global_step == 8  # per-batch updating (the old hook) would make 16
         results[accumulate] = (module.model.weight.detach().clone(), module.ema.weight.detach().clone())

@@ -14,8 +14,14 @@ from helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-CASES = [(1, "gather", torch.float32), (3, "gather", torch.float32), (1, "scatter", torch.float32),
-         (3, "scatter", torch.float32), (3, "gather", torch.bfloat16), (3, "scatter", torch.bfloat16)]  # fmt: skip
+CASES = [
+    (1, "gather", torch.float32),
+    (3, "gather", torch.float32),
+    (1, "scatter", torch.float32),
+    (3, "scatter", torch.float32),
+    (3, "gather", torch.bfloat16),
+    (3, "scatter", torch.bfloat16),
+]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")

@@ -92,8 +92,21 @@ def test_encode_latents_flips_resumes_and_writes_the_manifest_last(tmp_path):
 
     images = image_folder(tmp_path / "images", 5, size=16, classes=2)
     vae = tiny_vae(tmp_path / "vae")
-    args = ["--images", str(images), "--vae", str(vae), "--out", str(tmp_path / "lat"), "--image-size", "16",
-            "--shard-size", "4", "--flip", "--device", "cpu"]  # fmt: skip
+    args = [
+        "--images",
+        str(images),
+        "--vae",
+        str(vae),
+        "--out",
+        str(tmp_path / "lat"),
+        "--image-size",
+        "16",
+        "--shard-size",
+        "4",
+        "--flip",
+        "--device",
+        "cpu",
+    ]
     shards = encode(args)
     data = LatentShards(tmp_path / "lat")
     assert len(shards) == 3 and len(data) == 10

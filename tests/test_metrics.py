@@ -144,8 +144,9 @@ def test_too_few_samples(classifier_path):
 def test_dinov2_from_local_directory(tmp_path):
     from transformers import Dinov2Config, Dinov2Model
 
-    config = Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                          patch_size=14, image_size=56)  # fmt: skip
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, patch_size=14, image_size=56
+    )
     Dinov2Model(config).save_pretrained(tmp_path / "dinov2")
     extractor = DinoV2Features(tmp_path / "dinov2", image_size=56, batch_size=3)
     out = extractor(torch.randint(0, 256, (5, 3, 40, 48), dtype=torch.uint8))

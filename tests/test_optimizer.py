@@ -48,9 +48,11 @@ def test_period_one_matches_torch_muon(nesterov, adjust_lr):
         (PeriodicRowwiseMuon(ours, period=1, adjust_lr=adjust_lr, ns_dtype=torch.bfloat16, **kwargs), ours),
         (torch.optim.Muon(theirs, adjust_lr_fn=adjust_lr, **kwargs), theirs),
         # one coefficient off by 1%: the tolerance below must catch it, or the comparison proves nothing
-        (torch.optim.Muon(wrong, adjust_lr_fn=adjust_lr, ns_coefficients=(3.4445, -4.7750 * 1.01, 2.0315), **kwargs),
-         wrong),
-    ]  # fmt: skip
+        (
+            torch.optim.Muon(wrong, adjust_lr_fn=adjust_lr, ns_coefficients=(3.4445, -4.7750 * 1.01, 2.0315), **kwargs),
+            wrong,
+        ),
+    ]
     run(runs, steps=20)
     tol = 1e-5
     assert max_diff(ours, theirs) <= tol
@@ -100,8 +102,18 @@ def check_against_reference(nesterov, period, adjust_lr, fused):
     params = [torch.nn.Parameter(p.detach()) for p in params]
     ref = [p.detach().clone() for p in params]
     moms = [torch.zeros_like(p) for p in ref]
-    opt = PeriodicRowwiseMuon(params, lr=0.05, period=period, rownorm_scale=0.15, momentum=0.95, nesterov=nesterov,
-                              weight_decay=0.05, adjust_lr=adjust_lr, ns_dtype=torch.float64, fused=fused)  # fmt: skip
+    opt = PeriodicRowwiseMuon(
+        params,
+        lr=0.05,
+        period=period,
+        rownorm_scale=0.15,
+        momentum=0.95,
+        nesterov=nesterov,
+        weight_decay=0.05,
+        adjust_lr=adjust_lr,
+        ns_dtype=torch.float64,
+        fused=fused,
+    )
     g = torch.Generator().manual_seed(5)
     for t in range(1, 13):
         grads = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
@@ -164,9 +176,12 @@ def test_adamw_groups_match_torch_adamw_exactly(foreach):
 def test_mixed_groups_and_adamw_defaults():
     muon_p, adam_p = make_params([(8, 4)]), make_params([(4,)])
     opt = PeriodicRowwiseMuon(
-        [{"params": muon_p}, {"params": adam_p, "use_muon": False}], lr=0.02, adamw_lr=1e-3, weight_decay=0.1,
+        [{"params": muon_p}, {"params": adam_p, "use_muon": False}],
+        lr=0.02,
+        adamw_lr=1e-3,
+        weight_decay=0.1,
         adamw_weight_decay=0.0,
-    )  # fmt: skip
+    )
     assert opt.param_groups[1]["lr"] == 1e-3 and opt.param_groups[1]["weight_decay"] == 0.0
     assert opt.param_groups[0]["lr"] == 0.02 and "betas" not in opt.param_groups[0]
     run([(opt, muon_p + adam_p)], steps=2)
@@ -297,8 +312,12 @@ def test_unknown_group_option_and_duplicates():
 
 def test_non_matrix_in_muon_group_names_the_parameter():
     with pytest.raises(ValueError, match=r"'block.bias' \(4,\) is in a Muon group but is not a 2-D matrix"):
-        PeriodicRowwiseMuon([("block.weight", torch.nn.Parameter(torch.randn(4, 4))),
-                             ("block.bias", torch.nn.Parameter(torch.randn(4)))])  # fmt: skip
+        PeriodicRowwiseMuon(
+            [
+                ("block.weight", torch.nn.Parameter(torch.randn(4, 4))),
+                ("block.bias", torch.nn.Parameter(torch.randn(4))),
+            ]
+        )
 
 
 def test_sparse_and_complex_gradients_are_rejected():
@@ -365,8 +384,9 @@ def test_nonfinite_gradient_on_a_rownorm_step_leaves_state_untouched(mode):
 # ---------------------------------------------------------------------------------------------- schedulers
 SCHEDULERS = {
     "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.05, 1e-3], total_steps=10),
-    "CyclicLR": lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=[0.01, 1e-4], max_lr=[0.05, 1e-3],
-                                                              step_size_up=3),  # fmt: skip
+    "CyclicLR": lambda opt: torch.optim.lr_scheduler.CyclicLR(
+        opt, base_lr=[0.01, 1e-4], max_lr=[0.05, 1e-3], step_size_up=3
+    ),
     "CosineAnnealingLR": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10),
     "LinearLR": lambda opt: torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5),
 }
@@ -393,9 +413,16 @@ def test_torch_lr_schedulers_drive_both_branches(name):
 
 def test_tensor_lr_equals_float_lr():
     a, b = make_params([(8, 4), (4,)]), make_params([(8, 4), (4,)])
-    opts = [PeriodicRowwiseMuon([{"params": ps[:1]}, {"params": ps[1:], "use_muon": False}], lr=lr, adamw_lr=lr,
-                                weight_decay=0.1, ns_dtype=torch.float32)
-            for ps, lr in ((a, 0.02), (b, torch.tensor(0.02)))]  # fmt: skip
+    opts = [
+        PeriodicRowwiseMuon(
+            [{"params": ps[:1]}, {"params": ps[1:], "use_muon": False}],
+            lr=lr,
+            adamw_lr=lr,
+            weight_decay=0.1,
+            ns_dtype=torch.float32,
+        )
+        for ps, lr in ((a, 0.02), (b, torch.tensor(0.02)))
+    ]
     run([(opts[0], a), (opts[1], b)], steps=4)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)

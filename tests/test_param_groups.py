@@ -7,9 +7,14 @@ import pytest
 from lightning_muon import PeriodicRowwiseMuon, check_param_coverage, describe_param_groups, muon_param_groups
 
 DIT_MUON = {  # per block: adaLN-zero modulation, attention, feed-forward
-    "norm1.linear.weight", "attn1.to_q.weight", "attn1.to_k.weight", "attn1.to_v.weight", "attn1.to_out.0.weight",
-    "ff.net.0.proj.weight", "ff.net.2.weight",
-}  # fmt: skip
+    "norm1.linear.weight",
+    "attn1.to_q.weight",
+    "attn1.to_k.weight",
+    "attn1.to_v.weight",
+    "attn1.to_out.0.weight",
+    "ff.net.0.proj.weight",
+    "ff.net.2.weight",
+}
 PIXART_MUON = (DIT_MUON - {"norm1.linear.weight"}) | {n.replace("attn1", "attn2") for n in DIT_MUON if "attn1" in n}
 
 
@@ -18,8 +23,11 @@ def branch_of(groups):
 
 
 def expected_muon(model, per_block):
-    return {n for n, _ in model.named_parameters() if re.sub(r"^transformer_blocks\.\d+\.", "", n) in per_block
-            and n.startswith("transformer_blocks.")}  # fmt: skip
+    return {
+        n
+        for n, _ in model.named_parameters()
+        if re.sub(r"^transformer_blocks\.\d+\.", "", n) in per_block and n.startswith("transformer_blocks.")
+    }
 
 
 def test_dit_grouping(dit):
@@ -44,16 +52,23 @@ def test_dit_grouping(dit):
 def test_pixart_grouping(pixart):
     branch = branch_of(muon_param_groups(pixart))
     assert {n for n, m in branch.items() if m} == expected_muon(pixart, PIXART_MUON)
-    for name in ("scale_shift_table", "transformer_blocks.0.scale_shift_table", "adaln_single.linear.weight",
-                 "caption_projection.linear_1.weight", "proj_out.weight"):  # fmt: skip
+    for name in (
+        "scale_shift_table",
+        "transformer_blocks.0.scale_shift_table",
+        "adaln_single.linear.weight",
+        "caption_projection.linear_1.weight",
+        "proj_out.weight",
+    ):
         assert branch[name] is False
 
 
 def test_options_and_overrides(dit):
     groups = muon_param_groups(
-        dit, muon={"lr": 0.02}, adamw={"lr": 1e-3},
+        dit,
+        muon={"lr": 0.02},
+        adamw={"lr": 1e-3},
         overrides=[(r"ff\.net\.2\.weight$", {"lr": 0.01}), (r"proj_out_1\.weight$", {"use_muon": True})],
-    )  # fmt: skip
+    )
     by_name = {name: g for g in groups for name in g["param_names"]}
     assert by_name["transformer_blocks.0.ff.net.2.weight"]["lr"] == 0.01
     assert by_name["transformer_blocks.0.attn1.to_q.weight"]["lr"] == 0.02

@@ -23,8 +23,15 @@ from lightning_muon.recipes.data import (
 )
 from lightning_muon.recipes.module import DiTModule, build_transformer
 
-SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=16, in_channels=1, num_layers=2, sample_size=8,
-                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+SMALL_DIT = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=1,
+    num_layers=2,
+    sample_size=8,
+    patch_size=2,
+    num_embeds_ada_norm=10,
+)
 
 
 def scalars(event_dir, tag):
@@ -37,9 +44,20 @@ def scalars(event_dir, tag):
 
 def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--trainer.max_steps", "240",
-           "--trainer.val_check_interval", "120", "--trainer.log_every_n_steps", "10",
-           "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_muon.recipes.cli",
+        "fit",
+        "--trainer.max_steps",
+        "240",
+        "--trainer.val_check_interval",
+        "120",
+        "--trainer.log_every_n_steps",
+        "10",
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = tmp_path / "lightning_logs" / "version_0"
@@ -52,13 +70,18 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path):
 
 
 def test_cli_help_lists_options():
-    proc = subprocess.run([sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--help"], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "--model.optimizer" in proc.stdout and "--model.period" in proc.stdout
 
 
-@pytest.mark.parametrize(("name", "period", "has_muon"), [("adamw", None, False), ("muon", 1, True),
-                                                          ("periodic_muon", 3, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "period", "has_muon"), [("adamw", None, False), ("muon", 1, True), ("periodic_muon", 3, True)]
+)
 def test_optimizer_names_give_the_right_groups(name, period, has_muon):
     module = DiTModule(model_config=SMALL_DIT, optimizer=name)
     module.configure_model()
@@ -136,9 +159,17 @@ def fit_digits(tmp_path, max_steps, ckpt_path=None, stop_at=None):
     recorder = LossRecorder()
     extra = [StopAt(stop_at)] if stop_at else []
     callbacks = [recorder, ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=10), *extra]
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path, limit_val_batches=0,
-                        callbacks=callbacks)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
     trainer.fit(DiTModule(model_config=SMALL_DIT), DigitsDataModule(batch_size=64), ckpt_path=ckpt_path)
     return recorder.losses
 
@@ -183,8 +214,10 @@ def test_latent_shards_round_trip(tmp_path):
         LatentShardsDataModule(str(tmp_path / "empty")).setup()
 
 
-@pytest.mark.parametrize(("config", "billions"), [("dit_xl2_imagenet256", 0.675), ("t2i_1p3b", 1.3),
-                                                  ("t2i_4b", 4.0), ("t2i_9b", 9.0), ("t2i_15b", 15.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "billions"),
+    [("dit_xl2_imagenet256", 0.675), ("t2i_1p3b", 1.3), ("t2i_4b", 4.0), ("t2i_9b", 9.0), ("t2i_15b", 15.0)],
+)
 def test_paper_configs_match_their_names(config, billions):
     cfg = load_config(*SHIPPED_CONFIGS[config])
     with torch.device("meta"):
@@ -212,10 +245,19 @@ def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
     """The default recipe on 2 CPU ranks with muon_fsdp: distributed sampling, sharded evaluation, DCP checkpoints,
     communication counted by the telemetry."""
     override = Path(__file__).parent / "scripts" / "muon_fsdp_two_devices.yaml"
-    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--config", str(CONFIGS / "digits_tiny.yaml"),
-           "--config", str(override)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_muon.recipes.cli",
+        "fit",
+        "--config",
+        str(CONFIGS / "digits_tiny.yaml"),
+        "--config",
+        str(override),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     version = tmp_path / "lightning_logs" / "version_0"
     rows = [yaml.safe_load(line) for line in (version / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
@@ -228,10 +270,20 @@ def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
 
 def test_pixart_with_a_text_encoder_trains_and_generates(tmp_path):
     tiny_text_encoder(tmp_path / "t5")
-    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=3, out_channels=3, num_layers=2,
-                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
-    module = DiTModule(architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "t5"),
-                       max_caption_length=6)  # fmt: skip
+    pixart = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=3,
+        out_channels=3,
+        num_layers=2,
+        cross_attention_dim=16,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=12,
+    )
+    module = DiTModule(
+        architecture="pixart", model_config=pixart, text_encoder_path=str(tmp_path / "t5"), max_caption_length=6
+    )
     module.configure_model()
     batch = {"images": torch.rand(4, 3, 8, 8) * 2 - 1, "caption": ["a red cat", "a dog", "two birds", "a blue car"]}
     loss = module.training_step(batch, 0)
@@ -261,16 +313,44 @@ def test_encode_latents_script_feeds_latent_shards(tmp_path):
         Image.new("RGB", (24, 20), color=(40 * i, 90, 200)).save(images / f"{i}.png")
         lines.append(json.dumps({"file": f"{i}.png", "caption": caption}))
     (images / "captions.jsonl").write_text("\n".join(lines))
-    shards = encode(["--images", str(images), "--vae", str(tmp_path / "vae"), "--text-encoder", str(tmp_path / "t5"),
-                     "--out", str(tmp_path / "latents"), "--image-size", "16", "--shard-size", "3",
-                     "--max-caption-length", "6", "--batch-size", "2", "--device", "cpu"])  # fmt: skip
+    shards = encode(
+        [
+            "--images",
+            str(images),
+            "--vae",
+            str(tmp_path / "vae"),
+            "--text-encoder",
+            str(tmp_path / "t5"),
+            "--out",
+            str(tmp_path / "latents"),
+            "--image-size",
+            "16",
+            "--shard-size",
+            "3",
+            "--max-caption-length",
+            "6",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     assert len(shards) == 2
     dm = LatentShardsDataModule(str(tmp_path / "latents"), batch_size=5, num_workers=0)
     dm.setup()
     batch = next(iter(dm.train_dataloader()))
     assert batch["latents"].shape == (5, 4, 8, 8) and batch["caption_embeds"].shape == (5, 6, 12)
-    pixart = dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4, num_layers=1,
-                  cross_attention_dim=16, sample_size=8, patch_size=2, caption_channels=12)  # fmt: skip
+    pixart = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        cross_attention_dim=16,
+        sample_size=8,
+        patch_size=2,
+        caption_channels=12,
+    )
     module = DiTModule(architecture="pixart", model_config=pixart)
     module.configure_model()
     assert torch.isfinite(module.training_step(batch, 0))

@@ -33,8 +33,14 @@ PAPER_CONFIGS = [name for name in SHIPPED_CONFIGS if name != "digits_tiny"]
 CAPTIONS = ["a red cat", "a dog", "two birds", "a blue car", "a cat"]
 SHRINK = {
     "dit": {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2, "sample_size": 8},
-    "pixart": {"num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2, "sample_size": 8,
-               "cross_attention_dim": 16, "caption_channels": 12},  # fmt: skip
+    "pixart": {
+        "num_attention_heads": 2,
+        "attention_head_dim": 8,
+        "num_layers": 2,
+        "sample_size": 8,
+        "cross_attention_dim": 16,
+        "caption_channels": 12,
+    },
 }
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -44,8 +50,19 @@ def run(cmd, cwd, timeout=900):
 
 
 def torchrun(nproc):
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", nproc,
-            "--master-addr", "127.0.0.1", "--master-port", free_port()]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        nproc,
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        free_port(),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +94,33 @@ def assets(tmp_path_factory):
         "/data/latents/t2i_512": root / "latents_t2i",
         "/data/latents/imagenet256": root / "latents_cls",
     }
-    encode = ["-m", "lightning_muon.recipes.encode_latents", "--vae", a["vae"], "--image-size", 16,
-              "--shard-size", 5, "--batch-size", 4, "--device", "cpu"]  # fmt: skip
-    proc = run([*torchrun(2), *encode, "--images", a["t2i_images"], "--text-encoder", root / "t5", "--out",
-                root / "latents_t2i"], root)  # fmt: skip
+    encode = [
+        "-m",
+        "lightning_muon.recipes.encode_latents",
+        "--vae",
+        a["vae"],
+        "--image-size",
+        16,
+        "--shard-size",
+        5,
+        "--batch-size",
+        4,
+        "--device",
+        "cpu",
+    ]
+    proc = run(
+        [
+            *torchrun(2),
+            *encode,
+            "--images",
+            a["t2i_images"],
+            "--text-encoder",
+            root / "t5",
+            "--out",
+            root / "latents_t2i",
+        ],
+        root,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     proc = run([sys.executable, *encode, "--images", a["cls_images"], "--flip", "--out", root / "latents_cls"], root)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -109,16 +149,38 @@ def user_override(name, assets):
         if callback["class_path"].endswith("ModelCheckpoint"):
             init["every_n_train_steps"] = 2
         if callback["class_path"].endswith("GenerationEvaluation"):
-            init.update(every_n_steps=2, num_samples=8, batch_size=4, num_inference_steps=2, real_image_size=16,
-                        clip_model=str(assets["clip_model"]), hps_model=str(assets["clip_model"]), progress=False)
+            init.update(
+                every_n_steps=2,
+                num_samples=8,
+                batch_size=4,
+                num_inference_steps=2,
+                real_image_size=16,
+                clip_model=str(assets["clip_model"]),
+                hps_model=str(assets["clip_model"]),
+                progress=False,
+            )
     model = {k: localize(v, assets["paths"]) for k, v in cfg["model"].items() if k.endswith("_path")}
     model["model_config"] = {**cfg["model"]["model_config"], **SHRINK[cfg["model"]["architecture"]]}
     model["warmup_steps"] = 1
-    data = {"class_path": cfg["data"]["class_path"],
-            "init_args": {**localize(cfg["data"]["init_args"], assets["paths"]), "batch_size": 2, "num_workers": 0,
-                          "val_fraction": 0.25}}  # fmt: skip
-    trainer = {"accelerator": "cpu", "devices": 2, "num_nodes": 1, "max_steps": 4, "val_check_interval": 2,
-               "log_every_n_steps": 1, "enable_progress_bar": False, "callbacks": callbacks}  # fmt: skip
+    data = {
+        "class_path": cfg["data"]["class_path"],
+        "init_args": {
+            **localize(cfg["data"]["init_args"], assets["paths"]),
+            "batch_size": 2,
+            "num_workers": 0,
+            "val_fraction": 0.25,
+        },
+    }
+    trainer = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "num_nodes": 1,
+        "max_steps": 4,
+        "val_check_interval": 2,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "callbacks": callbacks,
+    }
     return {"trainer": trainer, "model": model, "data": data}
 
 
@@ -137,8 +199,11 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
     assert proc.returncode == 0, proc.stderr[-5000:]
     checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
     rows = [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
-    evaluation = next(c for c in load_config(*SHIPPED_CONFIGS[name])["trainer"]["callbacks"]
-                      if c["class_path"].endswith("GenerationEvaluation"))  # fmt: skip
+    evaluation = next(
+        c
+        for c in load_config(*SHIPPED_CONFIGS[name])["trainer"]["callbacks"]
+        if c["class_path"].endswith("GenerationEvaluation")
+    )
     metrics = evaluation["init_args"]["metrics"]
     assert [r["step"] for r in rows] == [2, 4]
     keys = {k for k in rows[0] if k.startswith("eval/") and k != "eval/seconds"}
@@ -162,9 +227,29 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
         *("--clip-model", assets["clip_model"], "--hps-model", assets["clip_model"]),
     ]
     prompts = ["--prompts-file", paths["/data/eval/prompts.txt"]] if t2i else []
-    cmd = [*torchrun(2), "-m", "lightning_muon.recipes.cli", "evaluate", tmp_path / "lightning_logs", "--out",
-           tmp_path / "eval", "--metrics", *metrics, "--real", real, "--image-size", 16, "--num-samples", 8,
-           "--batch-size", 4, "--num-inference-steps", 2, *weights, *prompts]  # fmt: skip
+    cmd = [
+        *torchrun(2),
+        "-m",
+        "lightning_muon.recipes.cli",
+        "evaluate",
+        tmp_path / "lightning_logs",
+        "--out",
+        tmp_path / "eval",
+        "--metrics",
+        *metrics,
+        "--real",
+        real,
+        "--image-size",
+        16,
+        "--num-samples",
+        8,
+        "--batch-size",
+        4,
+        "--num-inference-steps",
+        2,
+        *weights,
+        *prompts,
+    ]
     proc = run(cmd, tmp_path)
     assert proc.returncode == 0, proc.stderr[-5000:]
     import csv

@@ -18,8 +18,19 @@ SCRIPT = Path(__file__).parent / "scripts" / "fit_muon_fsdp.py"
 
 def fit(tmp_path, name, devices, epochs, ckpt=None, extra=(), check=True):
     record = tmp_path / f"{name}.json"
-    cmd = [sys.executable, str(SCRIPT), "--devices", str(devices), "--epochs", str(epochs),
-           "--root", str(tmp_path / name), "--record", str(record), *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--devices",
+        str(devices),
+        "--epochs",
+        str(epochs),
+        "--root",
+        str(tmp_path / name),
+        "--record",
+        str(record),
+        *extra,
+    ]
     if ckpt:
         cmd += ["--ckpt-path", str(ckpt)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -70,8 +81,9 @@ def test_partially_sharded_muon_matrices_fail_clearly(tmp_path):
 def test_a_users_torch_adamw_under_muon_fsdp_equals_lightnings_model_parallel(tmp_path):
     """Any optimizer is accepted: torch.optim.AdamW on the same FSDP2 sharding as Lightning's own strategy."""
     ours = fit(tmp_path, "ours", devices=2, epochs=1, extra=["--optimizer", "adamw"])
-    lightning = fit(tmp_path, "lightning", devices=2, epochs=1, extra=["--optimizer", "adamw", "--strategy",
-                                                                        "model_parallel"])  # fmt: skip
+    lightning = fit(
+        tmp_path, "lightning", devices=2, epochs=1, extra=["--optimizer", "adamw", "--strategy", "model_parallel"]
+    )
     assert [r["loss"] for r in ours] == pytest.approx([r["loss"] for r in lightning], rel=1e-6)
     assert len(ours) == 6 and ours[-1]["loss"] < ours[0]["loss"]
 
@@ -80,8 +92,9 @@ def test_fit_validate_test_predict_in_one_process(tmp_path):
     """The process group outlives each call (Lightning owns it); every call ends cleanly, exit code 0."""
     script = Path(__file__).parent / "scripts" / "lifecycle_muon_fsdp.py"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=tmp_path)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     done = json.loads((tmp_path / "done.json").read_text())
     assert done["stages"] == ["fit", "validate", "test", "predict"] and done["predictions"] == 16

@@ -101,12 +101,15 @@ def row_shard(param: Tensor) -> RowShard:
     if not shard_dims:
         return RowShard(tuple(param.shape))
     mesh = param.device_mesh
-    shard = RowShard(tuple(param.shape), mesh.size(shard_dims[0]), mesh.get_local_rank(shard_dims[0]),
-                     mesh.get_group(shard_dims[0]))  # fmt: skip
+    shard = RowShard(
+        tuple(param.shape), mesh.size(shard_dims[0]), mesh.get_local_rank(shard_dims[0]), mesh.get_group(shard_dims[0])
+    )
     local_rows = param.to_local().shape[0]
     if local_rows != shard.rows(shard.rank)[1] - shard.rows(shard.rank)[0]:
-        raise ValueError(f"Unexpected row split of a {tuple(param.shape)} parameter: {local_rows} local rows on "
-                         f"rank {shard.rank} of {shard.world}; expected torch.chunk rows as FSDP2 makes.")  # fmt: skip
+        raise ValueError(
+            f"Unexpected row split of a {tuple(param.shape)} parameter: {local_rows} local rows on "
+            f"rank {shard.rank} of {shard.world}; expected torch.chunk rows as FSDP2 makes."
+        )
     return shard
 
 
@@ -165,8 +168,9 @@ class RefreshItem:
         return m_new, torch.lerp(self.grad, m_new, self.beta) if self.nesterov else m_new
 
 
-def apply_refresh(items: Sequence[RefreshItem], m_news: Sequence[Tensor], orthos: Sequence[Tensor],
-                  ok: Tensor | None) -> None:  # fmt: skip
+def apply_refresh(
+    items: Sequence[RefreshItem], m_news: Sequence[Tensor], orthos: Sequence[Tensor], ok: Tensor | None
+) -> None:
     """Write momentum and weights of ``items`` from their local orthogonalized rows; with a device verdict ``ok``
     (False: a non-finite gradient somewhere) every write is the identity, without a host synchronization."""
     if ok is not None:
@@ -209,8 +213,9 @@ def _buckets(items: Sequence[RefreshItem], bucket_bytes: int) -> list[list[int]]
     return bucket_indices([it.shard for it in items], [it.dtype for it in items], bucket_bytes)
 
 
-def local_refresh(items: Sequence[RefreshItem], orthogonalize: Orthogonalize, bucket_bytes: int,
-                  ok: Tensor | None) -> int:  # fmt: skip
+def local_refresh(
+    items: Sequence[RefreshItem], orthogonalize: Orthogonalize, bucket_bytes: int, ok: Tensor | None
+) -> int:
     """Unsharded matrices: bucket by bucket, look-ahead, NS5, write. Returns the NS5 FLOPs."""
     for index in _buckets(items, bucket_bytes):
         bucket = [items[i] for i in index]
@@ -326,8 +331,11 @@ def scatter_refresh(
         send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
         recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
-        stats.add("refresh", (sum(send_sizes) - send_sizes[rank]) * dtype.itemsize,
-                  (sum(recv_sizes) - recv_sizes[rank]) * dtype.itemsize)  # fmt: skip
+        stats.add(
+            "refresh",
+            (sum(send_sizes) - send_sizes[rank]) * dtype.itemsize,
+            (sum(recv_sizes) - recv_sizes[rank]) * dtype.itemsize,
+        )
         return work, recv, recv_sizes
 
     def forward(index: list[int], with_flag: bool):
@@ -347,8 +355,9 @@ def scatter_refresh(
         mine = owned_by[rank]
         blocks = [blk[: len(blk) - with_flag] for blk in recv.split(recv_sizes)]
         pieces = [list(blk.split([bucket[j].shard.numel(src) for j in mine])) for src, blk in enumerate(blocks)]
-        full = [torch.cat([pieces[src][k] for src in range(world)]).view(bucket[j].shard.shape)
-                for k, j in enumerate(mine)]  # fmt: skip
+        full = [
+            torch.cat([pieces[src][k] for src in range(world)]).view(bucket[j].shard.shape) for k, j in enumerate(mine)
+        ]
         orthos = orthogonalize(full, [bucket[j] for j in mine]) if full else []
         if ok is not None:
             orthos = [torch.where(ok, o, 0) for o in orthos]  # finite whatever the inputs: nothing NaN travels

@@ -44,9 +44,18 @@ __all__ = ["PeriodicRowwiseMuon"]
 log = logging.getLogger(__name__)
 
 MUON_KEYS = (
-    "lr", "momentum", "nesterov", "weight_decay", "period", "rownorm_scale",
-    "ns_steps", "ns_coefficients", "ns_dtype", "ns_eps", "adjust_lr",
-)  # fmt: skip
+    "lr",
+    "momentum",
+    "nesterov",
+    "weight_decay",
+    "period",
+    "rownorm_scale",
+    "ns_steps",
+    "ns_coefficients",
+    "ns_dtype",
+    "ns_eps",
+    "adjust_lr",
+)
 ADAMW_KEYS = ("lr", "betas", "momentum", "eps", "weight_decay")
 NONFINITE_MODES = ("skip", "raise", "ignore")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
@@ -170,10 +179,18 @@ class PeriodicRowwiseMuon(Optimizer):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}.")
         self.refresh_mode, self.bucket_mb, self.nonfinite = refresh, bucket_mb, nonfinite
         self._muon_defaults = dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, period=period,
-            rownorm_scale=rownorm_scale, ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype,
-            ns_eps=ns_eps, adjust_lr=adjust_lr,
-        )  # fmt: skip
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            period=period,
+            rownorm_scale=rownorm_scale,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=ns_dtype,
+            ns_eps=ns_eps,
+            adjust_lr=adjust_lr,
+        )
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr,
             betas=betas,
@@ -279,8 +296,10 @@ class PeriodicRowwiseMuon(Optimizer):
                     + hint
                 )
             if saved.get("use_muon", True) != group["use_muon"]:
-                raise ValueError(f"Param group {g} has use_muon={group['use_muon']} but was saved with "
-                                 f"use_muon={saved.get('use_muon', True)}. " + hint)  # fmt: skip
+                raise ValueError(
+                    f"Param group {g} has use_muon={group['use_muon']} but was saved with "
+                    f"use_muon={saved.get('use_muon', True)}. " + hint
+                )
             for i, (index, param) in enumerate(zip(saved["params"], group["params"])):
                 for key, value in state_dict["state"].get(index, {}).items():
                     if isinstance(value, Tensor) and value.ndim > 0 and value.shape != param.shape:
@@ -289,8 +308,10 @@ class PeriodicRowwiseMuon(Optimizer):
                             f"the parameter has shape {tuple(param.shape)}. " + hint
                         )
                     if isinstance(value, Tensor) and value.is_floating_point() and not _all_finite(value):
-                        raise ValueError(f"Saved state {key!r} of {_param_name(group, i)} is not finite (NaN/inf): "
-                                         "the checkpoint is corrupt; resume from an earlier one.")  # fmt: skip
+                        raise ValueError(
+                            f"Saved state {key!r} of {_param_name(group, i)} is not finite (NaN/inf): "
+                            "the checkpoint is corrupt; resume from an earlier one."
+                        )
 
     def _collect(self, group: dict[str, Any]) -> _Work:
         """Params with gradients, local views of them, their row sharding; creates missing state (zeros)."""
@@ -419,8 +440,9 @@ class PeriodicRowwiseMuon(Optimizer):
         self.last_ns_flops = 0
         if sharded_items:
             run = gather_refresh if self.refresh_mode == "gather" else scatter_refresh
-            ok, flops = run(sharded_items, _orthogonalize_items, int(self.bucket_mb * 2**20), self._comm,
-                            ok, flag, on_verdict)  # fmt: skip
+            ok, flops = run(
+                sharded_items, _orthogonalize_items, int(self.bucket_mb * 2**20), self._comm, ok, flag, on_verdict
+            )
             self.last_ns_flops += flops
         masked = ok if self.nonfinite == "skip" else None
         local_items = [it for it in items if not it.shard.sharded]
@@ -454,14 +476,29 @@ class PeriodicRowwiseMuon(Optimizer):
         if not work.refresh:
             return []
         dtype = _ns_dtype(group, work.weights[0].device)
-        key = (dtype, group["ns_steps"], tuple(map(tuple, resolve_ns_coefficients(group["ns_coefficients"],
-               group["ns_steps"]))), group["ns_eps"])  # fmt: skip
+        key = (
+            dtype,
+            group["ns_steps"],
+            tuple(map(tuple, resolve_ns_coefficients(group["ns_coefficients"], group["ns_steps"]))),
+            group["ns_eps"],
+        )
         items = []
         for i in work.refresh:
             decay, scale = self._scales(group, work.shards[i].shape)
             buf = _local(self.state[work.params[i]]["momentum_buffer"])
-            items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
-                                     group["nesterov"], decay, scale, key))  # fmt: skip
+            items.append(
+                RefreshItem(
+                    work.shards[i],
+                    work.weights[i],
+                    buf,
+                    work.grads[i],
+                    group["momentum"],
+                    group["nesterov"],
+                    decay,
+                    scale,
+                    key,
+                )
+            )
         return items
 
     def _rownorm(self, group: dict[str, Any], work: _Work, ok: Tensor | None) -> None:
@@ -470,8 +507,18 @@ class PeriodicRowwiseMuon(Optimizer):
         for i, sumsq in zip(work.rownorm, work.sumsq):
             decay, scale = self._scales(group, work.shards[i].shape)
             buf = _local(self.state[work.params[i]]["momentum_buffer"])
-            update_fn(work.weights[i], buf, work.grads[i], sumsq, group["momentum"], group["nesterov"], decay,
-                      scale * group["rownorm_scale"], group["ns_eps"], ok)  # fmt: skip
+            update_fn(
+                work.weights[i],
+                buf,
+                work.grads[i],
+                sumsq,
+                group["momentum"],
+                group["nesterov"],
+                decay,
+                scale * group["rownorm_scale"],
+                group["ns_eps"],
+                ok,
+            )
 
     def _adamw_step(self, group: dict[str, Any], work: _Work, ok: Tensor | None) -> None:
         """Decoupled-weight-decay Adam, op for op as ``torch.optim.AdamW`` (bit-identical on finite steps), on local

@@ -120,13 +120,20 @@ def fit(out: Path, ckpt_dir: Path, reference: Path, args: dict) -> None:
     torch.set_num_threads(1)
     resume = ckpt_dir if any(ckpt_dir.glob("*.ckpt")) else None
     trainer = L.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
         strategy=MuonFSDPStrategy(timeout=timedelta(seconds=args.get("timeout", 300))),
-        max_steps=args["max_steps"], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=2, save_last=True,
-                                   monitor="step", mode="max"),
-                   Record(out, reference, args.get("write_reference", False))],
-    )  # fmt: skip
+        max_steps=args["max_steps"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=2, save_last=True, monitor="step", mode="max"
+            ),
+            Record(out, reference, args.get("write_reference", False)),
+        ],
+    )
     trainer.fit(Regression(args.get("fail_rank", -1), args.get("fail_step", -1)), ckpt_path=resume)
 
 
@@ -135,9 +142,17 @@ def worker(rank: int, world: int, port: int, out: Path, ckpt_dir: Path, referenc
     log = open(out / f"rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", ROLE_RANK=str(rank),
-                      TORCHELASTIC_RUN_ID="faults")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        TORCHELASTIC_RUN_ID="faults",
+    )
     status = 0
     try:
         fit(out, ckpt_dir, reference, args)
@@ -197,13 +212,18 @@ def raise_cases(out: Path) -> list[dict]:
         exits = wait(pids, time.time() + 240)
         failed_at = float((case / "failed_at").read_text()) if (case / "failed_at").is_file() else None
         logs = {r: (case / f"rank{r}.log").read_text() for r in range(world)}
-        report.append({
-            "world": world, "fail_rank": fail_rank,
-            "codes": [exits[r]["code"] for r in range(world)],
-            "seconds_to_all_exited": None if failed_at is None else max(e["time"] for e in exits.values()) - failed_at,
-            "original_error_logged": "injected failure on rank" in logs[fail_rank],
-            "timeout_in_any_log": any("timed out" in t.lower() or "timeout" in t.lower() for t in logs.values()),
-        })  # fmt: skip
+        report.append(
+            {
+                "world": world,
+                "fail_rank": fail_rank,
+                "codes": [exits[r]["code"] for r in range(world)],
+                "seconds_to_all_exited": None
+                if failed_at is None
+                else max(e["time"] for e in exits.values()) - failed_at,
+                "original_error_logged": "injected failure on rank" in logs[fail_rank],
+                "timeout_in_any_log": any("timed out" in t.lower() or "timeout" in t.lower() for t in logs.values()),
+            }
+        )
     return report
 
 
@@ -215,8 +235,9 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
     reference = out / "reference"
     reference.mkdir(parents=True, exist_ok=True)
     ref_run = out / "reference_run"
-    exits = wait(launch(2, ref_run, ref_run / "ckpt", reference, max_steps=max_steps, write_reference=True),
-                 time.time() + 300)  # fmt: skip
+    exits = wait(
+        launch(2, ref_run, ref_run / "ckpt", reference, max_steps=max_steps, write_reference=True), time.time() + 300
+    )
     if any(e["code"] != 0 for e in exits.values()):
         raise RuntimeError(f"reference run failed: {(ref_run / 'rank0.log').read_text()[-3000:]}")
     want = {r["step"]: r["loss"] for r in map(json.loads, (ref_run / "losses.jsonl").read_text().splitlines())}
@@ -243,8 +264,11 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
         row["codes"] = [exits[r]["code"] for r in range(2)]
         resumed = run / "resumed.json"
         row["resumed"] = json.loads(resumed.read_text()) if resumed.is_file() else None
-        losses = [json.loads(line) for line in (run / "losses.jsonl").read_text().splitlines()] if (
-            run / "losses.jsonl").is_file() else []  # fmt: skip
+        losses = (
+            [json.loads(line) for line in (run / "losses.jsonl").read_text().splitlines()]
+            if (run / "losses.jsonl").is_file()
+            else []
+        )
         row["steps"] = [r["step"] for r in losses]
         row["losses_match"] = all(r["loss"] == want[r["step"]] for r in losses)
         rows.append(row)

@@ -192,8 +192,9 @@ def test_controls_torchs_and_torch_fidelitys_own_loaders_run_the_payloads(tmp_pa
 
     marker = tmp_path / "pwned_inception"
     with pytest.raises(Exception):  # noqa: B017
-        FeatureExtractorInceptionV3("inception-v3-compat", ["2048"],
-                                    feature_extractor_weights_path=str(_weights_file(tmp_path, marker)))  # fmt: skip
+        FeatureExtractorInceptionV3(
+            "inception-v3-compat", ["2048"], feature_extractor_weights_path=str(_weights_file(tmp_path, marker))
+        )
     assert marker.exists()
 
 
@@ -246,8 +247,9 @@ def test_atomic_write_leaves_no_temporaries_and_clears_those_of_dead_writers(tmp
 @pytest.fixture(scope="module")
 def raise_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("raise")
-    subprocess.run([sys.executable, str(HARNESS), "raise", "--out", str(out)], check=True, timeout=600,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(HARNESS), "raise", "--out", str(out)], check=True, timeout=600, capture_output=True
+    )
     return json.loads((out / "report.json").read_text())
 
 
@@ -265,10 +267,28 @@ def test_a_rank_that_raises_ends_every_rank_within_seconds(raise_report, case):
 def test_torchrun_reports_the_failing_rank_as_root_cause(tmp_path):
     start = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), str(HARNESS), "run", "--fail-rank", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(HARNESS),
+            "run",
+            "--fail-rank",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     wall = time.time() - start
     assert proc.returncode != 0
     assert "RuntimeError: injected failure on rank 1 at step 2" in proc.stderr + proc.stdout
@@ -282,8 +302,12 @@ def test_torchrun_reports_the_failing_rank_as_root_cause(tmp_path):
 @pytest.mark.slow
 def test_sigkill_while_training_and_saving_never_leaves_a_checkpoint_that_resumes_wrong(tmp_path):
     trials = 20
-    proc = subprocess.run([sys.executable, str(HARNESS), "kill", "--trials", str(trials), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), "kill", "--trials", str(trials), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     summary = {k: v for k, v in report.items() if k != "rows"}
@@ -325,16 +349,34 @@ def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_pa
 
     monkeypatch.setenv("LIGHTNING_MUON_CACHE", str(tmp_path / "cache"))
     ckpt_dir = tmp_path / "ckpt"
-    small = dict(num_attention_heads=2, attention_head_dim=8, in_channels=1, num_layers=1, sample_size=8,
-                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+    small = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=1,
+        num_layers=1,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    )
 
     def fit(max_steps, ckpt_path=None, fail_at=None):
-        evaluation = GenerationEvaluation(metrics=["fd_digits"], every_n_steps=2, num_samples=20,
-                                          num_inference_steps=2, batch_size=20, progress=False)  # fmt: skip
-        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, default_root_dir=tmp_path, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True),
-                                       OnExceptionCheckpoint(ckpt_dir), evaluation])  # fmt: skip
+        evaluation = GenerationEvaluation(
+            metrics=["fd_digits"], every_n_steps=2, num_samples=20, num_inference_steps=2, batch_size=20, progress=False
+        )
+        trainer = L.Trainer(
+            accelerator="cpu",
+            max_steps=max_steps,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[
+                ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_last=True),
+                OnExceptionCheckpoint(ckpt_dir),
+                evaluation,
+            ],
+        )
         module = DiTModule(model_config=small)
         if fail_at is not None:
             module.generate = FailingGeneration(fail_at)(module, module.generate)
@@ -355,8 +397,15 @@ def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_pa
 def test_unknown_checkpoint_hyperparameters_are_named(caplog):
     from lightning_muon.recipes.evaluate import module_from_hparams
 
-    small = dict(num_attention_heads=2, attention_head_dim=8, in_channels=1, num_layers=1, sample_size=8,
-                 patch_size=2, num_embeds_ada_norm=10)  # fmt: skip
+    small = dict(
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=1,
+        num_layers=1,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    )
     with caplog.at_level("WARNING"):
         module_from_hparams({"model_config": small, "bogus_option": 1, "_class_path": "x"})
     assert "bogus_option" in caplog.text and "_class_path" not in caplog.text

@@ -66,8 +66,14 @@ class Record(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         opt = trainer.optimizers[0]
-        self.rows.append({"step": trainer.global_step, "loss": float(trainer.callback_metrics["train_loss"]),
-                          "branches": dict(getattr(opt, "last_branches", {})), "world": trainer.world_size})
+        self.rows.append(
+            {
+                "step": trainer.global_step,
+                "loss": float(trainer.callback_metrics["train_loss"]),
+                "branches": dict(getattr(opt, "last_branches", {})),
+                "world": trainer.world_size,
+            }
+        )
 
     def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
@@ -76,8 +82,12 @@ class Record(Callback):
 
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(SAMPLES, 4, 8, 8, generator=g), torch.randn(SAMPLES, 4, 8, 8, generator=g),
-                         torch.rand(SAMPLES, generator=g), torch.randint(0, 10, (SAMPLES,), generator=g))  # fmt: skip
+    return TensorDataset(
+        torch.randn(SAMPLES, 4, 8, 8, generator=g),
+        torch.randn(SAMPLES, 4, 8, 8, generator=g),
+        torch.rand(SAMPLES, generator=g),
+        torch.randint(0, 10, (SAMPLES,), generator=g),
+    )
 
 
 def main() -> None:
@@ -93,11 +103,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, max_epochs=args.epochs,
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.epochs,
         strategy=ModelParallelStrategy(args.devices, 1) if args.strategy == "model_parallel" else "muon_fsdp",
-        default_root_dir=args.root, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=args.root,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)],
-    )  # fmt: skip
+    )
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // args.devices, shuffle=False)
     module = TinyFlowDiT(args.optimizer, args.partial_shard, shard=args.strategy == "model_parallel")
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)

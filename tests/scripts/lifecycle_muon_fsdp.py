@@ -1,6 +1,6 @@
 """fit -> validate -> test -> predict with Trainer(strategy="muon_fsdp", devices=2) in one process (CPU, gloo).
 
-    python tests/scripts/lifecycle_muon_fsdp.py OUT_DIR
+python tests/scripts/lifecycle_muon_fsdp.py OUT_DIR
 """
 
 import json
@@ -50,8 +50,16 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 4, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g))
     loader = DataLoader(data, batch_size=4)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="muon_fsdp", max_steps=3, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="muon_fsdp",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     module = Module()
     stages = []
     trainer.fit(module, loader, loader)
@@ -63,8 +71,12 @@ def main() -> None:
     predictions = trainer.predict(module, loader)
     stages.append("predict")
     if trainer.is_global_zero:
-        done = {"stages": stages, "val_loss": val[0]["val_loss"], "test_loss": test[0]["test_loss"],
-                "predictions": sum(len(p) for p in predictions)}  # fmt: skip
+        done = {
+            "stages": stages,
+            "val_loss": val[0]["val_loss"],
+            "test_loss": test[0]["test_loss"],
+            "predictions": sum(len(p) for p in predictions),
+        }
         (out / "done.json").write_text(json.dumps(done))
 
 
