@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
 from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.generation import HPSv2Score, ensure_reference
@@ -172,8 +173,10 @@ class GenerationEvaluation(Callback):
     dropped. Reference (real) statistics are computed once per metric and cached in ``reference_dir``. Metrics and
     their weights are built in ``setup``: missing weights fail before training starts.
 
-    The LightningModule provides ``generate(labels, seeds, num_inference_steps, guidance_scale)``; the datamodule
-    provides ``real_images()`` (uint8, all real images) for the reference statistics.
+    The LightningModule must meet :class:`~lightning_muon.callbacks.protocols.Generator` (``generate(conditions,
+    seeds, num_inference_steps, guidance_scale, batch_size=)`` → uint8 images, and ``device``); the datamodule
+    :class:`~lightning_muon.callbacks.protocols.RealImages` (``real_images()``) unless ``real_images_dir`` is given.
+    Both are checked in ``setup``, naming what is missing. ``examples/custom_module.py`` is a module of one's own.
 
     Args:
         metrics: names from :data:`lightning_muon.metrics.presets.METRIC_NAMES`.
@@ -250,6 +253,9 @@ class GenerationEvaluation(Callback):
                 raise ValueError(f"prompts_file {self.prompts_file} has no prompts (one per line).")
         if "hpsv2" in self.metric_names and not self.prompts:
             raise ValueError("hpsv2 scores image-prompt pairs: pass prompts_file= (one prompt per line).")
+        check_protocol(pl_module, Generator, "LightningModule")
+        if not self.real_images_dir:
+            check_protocol(trainer.datamodule, RealImages, "datamodule")
         self.metrics = build_metrics(self.metric_names, **self.weights)
         for metric in self.metrics.values():
             metric.to(pl_module.device)
