@@ -1,7 +1,9 @@
-"""Lightning callbacks: generation evaluation, optimizer telemetry, EMA of the weights."""
+"""Lightning callbacks: generation evaluation, optimizer telemetry, EMA, a step progress bar, a sample writer."""
 
 from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.generation import GenerationEvaluation
+from lightning_muon.callbacks.progress import StepProgressBar
+from lightning_muon.callbacks.samples import SampleWriter
 from lightning_muon.callbacks.telemetry import OptimizerTelemetry
 
-__all__ = ["EMA", "GenerationEvaluation", "OptimizerTelemetry"]
+__all__ = ["EMA", "GenerationEvaluation", "OptimizerTelemetry", "SampleWriter", "StepProgressBar"]

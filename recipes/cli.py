@@ -44,8 +44,33 @@ def load_config(*paths: str | Path) -> dict:
     return config
 
 
+EVALUATE_HELP = "Generation metrics for every checkpoint of one or several runs (see: evaluate --help)."
+
+
 class MuonCLI(LightningCLI):
-    """LightningCLI where ``fit --ckpt_path DIR`` resumes from the newest complete checkpoint under ``DIR``."""
+    """LightningCLI with an ``evaluate`` subcommand (:mod:`lightning_muon.recipes.evaluate`) and a step progress
+    bar, where ``fit --ckpt_path DIR`` resumes from the newest complete checkpoint under ``DIR`` and ``fit`` ends
+    with a summary: evaluation results, checkpoints, and how to open the logs."""
+
+    def _add_subcommands(self, parser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        # listed in --help; main() hands `evaluate ...` to its own parser before LightningCLI sees it
+        parser._subcommands_action.add_subcommand(
+            "evaluate", self.init_parser(description=EVALUATE_HELP), help=EVALUATE_HELP
+        )
+
+    def instantiate_trainer(self, **kwargs):
+        """The trainer, with a :class:`~lightning_muon.callbacks.StepProgressBar` unless the progress bar is
+        disabled or another one is configured."""
+        from lightning.pytorch.callbacks import ProgressBar
+
+        from lightning_muon.callbacks import StepProgressBar
+
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            config["callbacks"] = [*callbacks, StepProgressBar()]
+        return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
         from lightning_muon.checkpoint import resolve_checkpoint
@@ -53,6 +78,35 @@ class MuonCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") not in (None, "last", "best", "hpc"):
             config["ckpt_path"] = str(resolve_checkpoint(config["ckpt_path"]))
+
+    def after_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            print(fit_summary(self.trainer))
+
+
+def fit_summary(trainer: L.Trainer) -> str:
+    """Best and last evaluation values, the checkpoints, and the ``tensorboard`` command for the run's logs."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_muon.callbacks import GenerationEvaluation
+
+    lines = [f"Trained {trainer.global_step} steps."]
+    for evaluation in (c for c in trainer.callbacks if isinstance(c, GenerationEvaluation) and c.history):
+        last = evaluation.history[-1]
+        for key in (k for k in last if k.startswith("eval/") and k != "eval/seconds"):
+            pick = min if key.startswith(("eval/fd", "eval/fid", "eval/kid", "eval/mmd", "eval/cmmd")) else max
+            best = pick(evaluation.history, key=lambda row: row.get(key, float("nan")))
+            lines.append(
+                f"  {key}: last {last[key]:.4g} (step {last['step']}), best {best[key]:.4g} (step {best['step']})"
+            )
+    for ckpt in (c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)):
+        if ckpt.monitor and ckpt.best_model_path:
+            lines.append(f"  best checkpoint by {ckpt.monitor}: {ckpt.best_model_path}")
+        elif ckpt.last_model_path or ckpt.best_model_path:
+            lines.append(f"  last checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
+    if trainer.log_dir:
+        lines.append(f"  logs: tensorboard --logdir {trainer.log_dir}")
+    return "\n".join(lines)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -69,7 +123,7 @@ def main(args: list[str] | None = None) -> None:
         L.LightningDataModule,
         subclass_mode_data=True,
         parser_kwargs={
-            "fit": {"default_config_files": [str(DEFAULT_CONFIG)]},
+            **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in ("fit", "validate", "test", "predict")},
             "description": "Train Diffusion Transformers with Periodic Row-wise Muon.",
         },
         args=args,

@@ -94,13 +94,17 @@ class DigitsDataModule(L.LightningDataModule):
         batch_size: per-device batch size.
         val_size: images held out for the validation loss.
         num_workers: DataLoader workers.
+        predict_samples: samples ``lightning-muon predict`` generates.
     """
 
     num_classes, image_size, channels = 10, 8, 1
 
-    def __init__(self, batch_size: int = 64, val_size: int = 256, num_workers: int = 0) -> None:
+    def __init__(
+        self, batch_size: int = 64, val_size: int = 256, num_workers: int = 0, predict_samples: int = 100
+    ) -> None:
         super().__init__()
         self.batch_size, self.val_size, self.num_workers = batch_size, val_size, num_workers
+        self.predict_samples = predict_samples
 
     def setup(self, stage: str | None = None) -> None:
         from sklearn.datasets import load_digits
@@ -124,6 +128,15 @@ class DigitsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (digits has no separate test set)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """Sample indices ``0 .. predict_samples - 1`` for ``DiTModule.predict_step``."""
+        indices = torch.utils.data.TensorDataset(torch.arange(self.predict_samples))
+        return DataLoader(indices, batch_size=min(self.batch_size, self.predict_samples))
 
 
 class ImageFolderDataModule(L.LightningDataModule):

@@ -125,6 +125,8 @@ class DiTModule(L.LightningModule):
             checkpointing): activations drop from every block's intermediates to one input per block.
         nonfinite: what the optimizer does with a NaN/inf gradient: ``"skip"`` the step (on the device, counted in
             ``optim/nonfinite_skipped`` by ``OptimizerTelemetry``), ``"raise"`` or ``"ignore"``.
+        predict_steps: sampler steps of ``lightning-muon predict`` (the datamodule's ``predict_dataloader`` yields
+            the sample indices, e.g. ``DigitsDataModule(predict_samples=)``).
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class DiTModule(L.LightningModule):
         frozen_dtype: str = "auto",
         gradient_checkpointing: bool = False,
         nonfinite: str = "skip",
+        predict_steps: int = 25,
     ) -> None:
         super().__init__()
         for name, value, choices in (
@@ -346,6 +349,23 @@ class DiTModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.log("val/loss", self._fixed_grid_loss(batch, batch_idx), prog_bar=True, sync_dist=True)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self.log("test/loss", self._fixed_grid_loss(batch, batch_idx), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        """``{"index", "label", "image"}`` (uint8) for a batch of sample indices i (class ``i mod num_classes``,
+        seed i), with the EMA weights;
+        :class:`~lightning_muon.callbacks.SampleWriter` writes them as PNG files."""
+        if self.hparams.architecture != "dit":
+            raise ValueError("predict samples class-conditional models; for text-to-image use lightning-muon evaluate.")
+        (indices,) = batch
+        labels = indices % self.hparams.num_classes
+        images = self.generate(labels, indices.tolist(), self.hparams.predict_steps)
+        return {"index": indices, "label": labels, "image": images}
+
+    def _fixed_grid_loss(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         """Deterministic loss: a fixed grid of timesteps, noise seeded by the batch index, no condition dropout."""
         x0 = self._clean(batch)
         cond = self._conditions(batch, drop=False)
@@ -355,7 +375,7 @@ class DiTModule(L.LightningModule):
         losses = [
             self.loss(self.model, x0, cond, torch.full((len(x0),), float(t), device=self.device), noise) for t in grid
         ]
-        self.log("val/loss", torch.stack(losses).mean(), prog_bar=True, sync_dist=True)
+        return torch.stack(losses).mean()
 
     def configure_callbacks(self) -> list[Callback]:
         """The EMA update (:class:`~lightning_muon.callbacks.EMA`, once per optimizer step) when ``ema_decay > 0``."""

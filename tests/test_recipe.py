@@ -67,6 +67,23 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path):
     assert len(loss) >= 20
     assert sum(loss[-5:]) / 5 < 0.8 * sum(loss[:5]) / 5  # the training loss falls on digits
     assert (version / "config.yaml").is_file()
+    summary = proc.stdout[proc.stdout.index("Trained 240 steps.") :]
+    assert "eval/fd_digits: last" in summary and "checkpoint" in summary
+    assert f"tensorboard --logdir {version.resolve()}" in summary or f"tensorboard --logdir {version}" in summary
+
+    last = version / "checkpoints" / "last.ckpt"
+    quick = ["--ckpt_path", str(last), "--trainer.enable_progress_bar", "false"]
+    for subcommand in ("validate", "test"):
+        proc = subprocess.run(
+            [*cmd[:3], subcommand, *quick], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"{'val' if subcommand == 'validate' else 'test'}/loss" in proc.stdout
+    predict = [*cmd[:3], "predict", *quick, "--data.init_args.predict_samples", "12", "--model.predict_steps", "2"]
+    proc = subprocess.run(predict, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pngs = sorted(p.name for p in (tmp_path / "samples").glob("*.png"))
+    assert pngs == [f"{i:06d}_class{i % 10}.png" for i in range(12)]
 
 
 def test_cli_help_lists_options():
@@ -77,6 +94,17 @@ def test_cli_help_lists_options():
         timeout=300,
     )
     assert proc.returncode == 0 and "--model.optimizer" in proc.stdout and "--model.period" in proc.stdout
+    listed = subprocess.run(
+        [sys.executable, "-m", "lightning_muon.recipes.cli", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert all(sub in listed.stdout for sub in ("fit", "validate", "test", "predict", "evaluate"))
+    evaluate = subprocess.run(
+        [sys.executable, "-m", "lightning_muon.recipes.cli", "evaluate", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert evaluate.returncode == 0 and "--metrics" in evaluate.stdout
 
 
 @pytest.mark.parametrize(

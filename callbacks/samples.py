@@ -1,0 +1,35 @@
+"""Write predicted samples as PNG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import BasePredictionWriter
+from typing_extensions import override
+
+
+class SampleWriter(BasePredictionWriter):
+    """Write each predicted sample (``predict_step`` returning ``{"index", "label", "image"}``, uint8 images) to
+    ``<output_dir>/<index:06d>_class<label>.png`` from the rank that generated it.
+
+    Args:
+        output_dir: the image folder (created); default ``<default_root_dir>/samples``.
+    """
+
+    def __init__(self, output_dir: str | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.output_dir = output_dir
+
+    @override
+    def write_on_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, prediction: Any, *args: Any) -> None:
+        from PIL import Image
+
+        folder = Path(self.output_dir or Path(trainer.default_root_dir) / "samples")
+        folder.mkdir(parents=True, exist_ok=True)
+        for index, label, image in zip(prediction["index"].tolist(), prediction["label"].tolist(), prediction["image"]):
+            array = image.permute(1, 2, 0).cpu().numpy()
+            Image.fromarray(array[..., 0] if array.shape[-1] == 1 else array).save(
+                folder / f"{index:06d}_class{label}.png"
+            )
