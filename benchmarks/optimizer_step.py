@@ -3,7 +3,7 @@
 Implementations run round-robin in one process (one step each per round) so machine noise hits all of them alike.
 Periodic times are averaged over whole periods. Prints a table with ratios and writes JSON.
 
-    python benchmarks/optimizer_step.py --hidden 1024 --blocks 1 --periods 5
+    python benchmarks/optimizer_step.py --hidden 1024 --blocks 1 --rounds 5
 """
 
 from __future__ import annotations

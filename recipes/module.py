@@ -325,8 +325,8 @@ class DiTModule(L.LightningModule):
     def _ddpm(self):
         from diffusers import DDPMScheduler
 
-        if not hasattr(self, "_ddpm_scheduler"):
-            self._ddpm_scheduler = DDPMScheduler(num_train_timesteps=1000)
+        if not hasattr(self, "_ddpm_scheduler"):  # x0 is clipped to [-1, 1] in pixel space, never in latent space
+            self._ddpm_scheduler = DDPMScheduler(num_train_timesteps=1000, clip_sample=not self.hparams.vae_path)
         return self._ddpm_scheduler
 
     def _step_generator(self) -> torch.Generator:
@@ -463,7 +463,10 @@ class DiTModule(L.LightningModule):
     def _sample(self, net: nn.Module, x: Tensor, cond: dict, steps: int, guidance: float) -> Tensor:
         from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
 
-        scheduler = FlowMatchEulerDiscreteScheduler() if self.hparams.objective == "flow" else DDIMScheduler()
+        if self.hparams.objective == "flow":
+            scheduler = FlowMatchEulerDiscreteScheduler()
+        else:  # the training schedule's betas and clipping
+            scheduler = DDIMScheduler.from_config(self._ddpm().config)
         scheduler.set_timesteps(steps, device=self.device)
         null = self._null(cond)
         for t in scheduler.timesteps:
