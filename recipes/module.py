@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
 
-__all__ = ["OPTIMIZERS", "DiTModule", "PromptEncoder", "build_transformer", "logit_normal_timesteps"]
+__all__ = ["OPTIMIZERS", "DiTModule", "PromptEncoder", "build_transformer"]
 
 OPTIMIZERS = ("adamw", "muon", "periodic_muon")
 ARCHITECTURES = ("dit", "pixart")
@@ -46,13 +46,6 @@ def build_transformer(architecture: str, config: dict[str, Any]) -> nn.Module:
         if hasattr(m, "dropout_prob"):
             m.dropout_prob = 0.0
     return model
-
-
-def logit_normal_timesteps(
-    n: int, generator: torch.Generator | None = None, mean: float = 0.0, std: float = 1.0
-) -> Tensor:
-    """t = sigmoid(u), u ~ N(mean, std²): the logit-normal sampling of rectified-flow training (SD3)."""
-    return torch.sigmoid(torch.randn(n, generator=generator) * std + mean)
 
 
 def _load_local(cls: Any, path: str, argument: str) -> Any:
@@ -341,7 +334,10 @@ class DiTModule(L.LightningModule):
         cond = self._conditions(batch, drop=True, generator=g)
         noise = torch.randn(x0.shape, generator=g).to(x0)
         if self.hparams.timestep_sampling == "logit_normal" and self.hparams.objective == "flow":
-            t = logit_normal_timesteps(len(x0), g).to(self.device)
+            from diffusers.training_utils import compute_density_for_timestep_sampling
+
+            # SD3's logit-normal: t = sigmoid(u), u ~ N(0, 1)
+            t = compute_density_for_timestep_sampling("logit_normal", len(x0), 0.0, 1.0, generator=g).to(self.device)
         else:
             t = torch.rand(len(x0), generator=g).to(self.device)
         loss = self.loss(self.model, x0, cond, t, noise)
