@@ -329,3 +329,26 @@ def test_dit_module_brings_its_ema_callback():
 
     assert [type(c) for c in DiTModule(model_config=SMALL_DIT, ema_decay=0.99).configure_callbacks()] == [EMA]
     assert DiTModule(model_config=SMALL_DIT, ema_decay=0.0).configure_callbacks() == []
+
+
+def test_early_stopping_reads_the_evaluation(cache, tmp_path):
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    evaluation = GenerationEvaluation(
+        every_n_steps=1, num_samples=16, num_inference_steps=1, batch_size=16, grid_size=0, progress=False
+    )
+    # an improvement of 1e6 is never reached: the first check sets the best, the second stops training
+    stop = EarlyStopping(monitor="eval/fd_digits", mode="min", patience=0, min_delta=1e6, check_on_train_epoch_end=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=30,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[evaluation, stop],
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(DiTModule(model_config=SMALL_DIT), DigitsDataModule(batch_size=512))
+    assert stop.stopped_epoch == 1 and trainer.global_step == 6  # 3 steps per epoch
