@@ -110,17 +110,9 @@ def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_sam
     from lightning_muon.recipes.module import DiTModule
 
     torch.manual_seed(0)
-    module = DiTModule(
-        model_config=dict(
-            num_attention_heads=2,
-            attention_head_dim=16,
-            in_channels=1,
-            num_layers=2,
-            sample_size=8,
-            patch_size=2,
-            num_embeds_ada_norm=10,
-        )
-    )
+    from helpers import SMALL_DIT
+
+    module = DiTModule(model_config=SMALL_DIT)
     module.configure_model()
     features = DigitsFeatures(classifier_path)
     metrics = {"fd_digits": FrechetDistance(features), "prdc_digits": PrecisionRecallDensityCoverage(features)}

@@ -35,6 +35,19 @@ def tiny_pixart(num_layers: int = 2, seed: int = 0):
     )
 
 
+#: A small class-conditional DiT on 8x8 one-channel digits (DiTModule(model_config=...)); TINY_DIT is smaller still.
+SMALL_DIT = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=1,
+    num_layers=2,
+    sample_size=8,
+    patch_size=2,
+    num_embeds_ada_norm=10,
+)
+TINY_DIT = {**SMALL_DIT, "attention_head_dim": 8, "num_layers": 1}
+
+
 # ------------------------------------------------------------------------------------------- multi-process runs
 def free_port() -> int:
     import socket

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from dist_workers import generation_eval_worker
-from helpers import run_distributed
+from helpers import SMALL_DIT, run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -19,16 +19,6 @@ from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.evaluate import checkpoint_meta, find_checkpoints, load_generator
 from lightning_muon.recipes.evaluate import main as evaluate
 from lightning_muon.recipes.module import DiTModule
-
-SMALL_DIT = dict(
-    num_attention_heads=2,
-    attention_head_dim=16,
-    in_channels=1,
-    num_layers=2,
-    sample_size=8,
-    patch_size=2,
-    num_embeds_ada_norm=10,
-)
 
 
 @pytest.fixture(scope="module")

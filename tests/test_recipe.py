@@ -10,7 +10,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
-from helpers import tiny_text_encoder, tiny_vae
+from helpers import SMALL_DIT, tiny_text_encoder, tiny_vae
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_muon.recipes.cli import CONFIGS, SHIPPED_CONFIGS, load_config
@@ -22,16 +22,6 @@ from lightning_muon.recipes.data import (
     write_manifest,
 )
 from lightning_muon.recipes.module import DiTModule, build_transformer
-
-SMALL_DIT = dict(
-    num_attention_heads=2,
-    attention_head_dim=16,
-    in_channels=1,
-    num_layers=2,
-    sample_size=8,
-    patch_size=2,
-    num_embeds_ada_norm=10,
-)
 
 
 def scalars(event_dir, tag):

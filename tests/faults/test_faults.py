@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import free_port, random_inception_state_dict, tiny_dinov2, tiny_open_clip_config, tiny_vae
+from helpers import TINY_DIT, free_port, random_inception_state_dict, tiny_dinov2, tiny_open_clip_config, tiny_vae
 
 from lightning_muon.checkpoint import (
     atomic_write,
@@ -349,15 +349,6 @@ def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_pa
 
     monkeypatch.setenv("LIGHTNING_MUON_CACHE", str(tmp_path / "cache"))
     ckpt_dir = tmp_path / "ckpt"
-    small = dict(
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=1,
-        num_layers=1,
-        sample_size=8,
-        patch_size=2,
-        num_embeds_ada_norm=10,
-    )
 
     def fit(max_steps, ckpt_path=None, fail_at=None):
         evaluation = GenerationEvaluation(
@@ -377,7 +368,7 @@ def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_pa
                 evaluation,
             ],
         )
-        module = DiTModule(model_config=small)
+        module = DiTModule(model_config=TINY_DIT)
         if fail_at is not None:
             module.generate = FailingGeneration(fail_at)(module, module.generate)
         trainer.fit(module, DigitsDataModule(batch_size=16), ckpt_path=ckpt_path)
@@ -397,17 +388,8 @@ def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_pa
 def test_unknown_checkpoint_hyperparameters_are_named(caplog):
     from lightning_muon.recipes.evaluate import module_from_hparams
 
-    small = dict(
-        num_attention_heads=2,
-        attention_head_dim=8,
-        in_channels=1,
-        num_layers=1,
-        sample_size=8,
-        patch_size=2,
-        num_embeds_ada_norm=10,
-    )
     with caplog.at_level("WARNING"):
-        module_from_hparams({"model_config": small, "bogus_option": 1, "_class_path": "x"})
+        module_from_hparams({"model_config": TINY_DIT, "bogus_option": 1, "_class_path": "x"})
     assert "bogus_option" in caplog.text and "_class_path" not in caplog.text
 
 
