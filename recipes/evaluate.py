@@ -36,7 +36,7 @@ from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.module import DiTModule, build_transformer
 
-__all__ = ["checkpoint_meta", "find_checkpoints", "load_generator", "main", "module_from_hparams"]
+__all__ = ["build_parser", "checkpoint_meta", "find_checkpoints", "load_generator", "main", "module_from_hparams"]
 
 log = logging.getLogger(__name__)
 
@@ -172,28 +172,59 @@ def _init_distributed(device: str | None) -> torch.device:
     return torch.device(device or "cpu")
 
 
-def main(argv: list[str] | None = None) -> None:
+#: The :class:`GenerationEvaluation` arguments that ``evaluate`` shares: its flags are built from the callback's
+#: signature (defaults) and docstring (help), so the two cannot drift apart.
+SHARED_ARGUMENTS = (
+    "metrics",
+    "num_samples",
+    "num_classes",
+    "num_inference_steps",
+    "guidance_scale",
+    "batch_size",
+    "seed",
+    "prompts_file",
+    "dinov2_weights",
+    "inception_weights",
+    "clip_weights",
+    "hps_weights",
+    "clip_model",
+    "hps_model",
+)
+
+
+def add_callback_arguments(parser: argparse.ArgumentParser, **overrides: tuple[Any, type, str]) -> None:
+    """``--num-samples`` etc. for :data:`SHARED_ARGUMENTS`, from ``GenerationEvaluation``'s signature and
+    docstring; ``overrides`` maps a name to ``(default, type, help)``."""
+    import docstring_parser
+
+    from lightning_muon.callbacks import GenerationEvaluation
+
+    docs = {}
+    for param in docstring_parser.parse(GenerationEvaluation.__doc__).params:
+        for name in param.arg_name.split("/"):
+            docs[name.strip()] = " ".join((param.description or "").split()).replace("%", "%%")
+    signature = inspect.signature(GenerationEvaluation.__init__).parameters
+    for name in SHARED_ARGUMENTS:
+        default = signature[name].default
+        kind = type(default) if default is not None else str
+        default, kind, doc = overrides.get(name, (default, kind, docs.get(name, "")))
+        flag = "--" + name.replace("_", "-")
+        if name == "metrics":
+            parser.add_argument(flag, nargs="+", default=list(default), choices=sorted(METRIC_NAMES), help=doc)
+        else:
+            parser.add_argument(flag, type=kind, default=default, help=doc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lightning-muon evaluate`` command line."""
     parser = argparse.ArgumentParser(
         prog="lightning-muon evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", help="run directories or globs (checkpoints are found recursively)")
     parser.add_argument("--out", default="eval", help="output directory (results.csv, results.md, <metric>.png)")
-    parser.add_argument("--metrics", nargs="+", default=["fd_digits", "prdc_digits"], choices=sorted(METRIC_NAMES))
-    parser.add_argument("--num-samples", type=int, default=1000)
-    parser.add_argument("--num-classes", type=int, default=None, help="default: the checkpoint's num_classes")
-    parser.add_argument("--num-inference-steps", type=int, default=25)
-    parser.add_argument("--guidance-scale", type=float, default=1.0)
-    parser.add_argument("--batch-size", type=int, default=250)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prompts-file", default=None, help="text-to-image: one prompt per line (sample i: i mod P)")
+    add_callback_arguments(parser, num_classes=(None, int, "default: the checkpoint's num_classes"))
     parser.add_argument("--real", default="digits", help="'digits' or an image folder with the real images")
     parser.add_argument("--image-size", type=int, default=256, help="resolution of an image-folder reference")
-    for name in ("dinov2", "inception", "clip", "hps"):
-        parser.add_argument(
-            f"--{name}-weights", default=None, help=f"local {name} weights for the metrics needing them"
-        )
-    parser.add_argument("--clip-model", default="ViT-L-14-336", help="open_clip architecture (or model-config JSON)")
-    parser.add_argument("--hps-model", default="ViT-H-14", help="open_clip architecture (or model-config JSON)")
     parser.add_argument("--device", default=None, help="default: CUDA (this rank's GPU under torchrun), else cpu")
     parser.add_argument(
         "--dtype",
@@ -201,6 +232,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "float32", "bfloat16"],
         help="weights of the sampling network; auto: bf16 on CUDA, fp32 on CPU",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     import torch.distributed as dist

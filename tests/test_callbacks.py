@@ -342,3 +342,15 @@ def test_early_stopping_reads_the_evaluation(cache, tmp_path):
     )
     trainer.fit(DiTModule(model_config=SMALL_DIT), DigitsDataModule(batch_size=512))
     assert stop.stopped_epoch == 1 and trainer.global_step == 6  # 3 steps per epoch
+
+
+def test_evaluate_flags_come_from_the_callback_signature():
+    import inspect
+
+    from lightning_muon.recipes.evaluate import SHARED_ARGUMENTS, build_parser
+
+    args = vars(build_parser().parse_args(["run"]))
+    signature = inspect.signature(GenerationEvaluation.__init__).parameters
+    for name in SHARED_ARGUMENTS:
+        want = None if name == "num_classes" else signature[name].default  # evaluate reads it from the checkpoint
+        assert args[name] == (list(want) if isinstance(want, tuple) else want), name
