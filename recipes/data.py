@@ -57,7 +57,14 @@ class ResumableDataLoader(DataLoader):
     """A DataLoader that Lightning checkpoints: ``state_dict()`` holds the epoch and the batches consumed in it, and
     after ``load_state_dict()`` that epoch, when Lightning iterates it again, skips those batches: a run resumed
     mid-epoch or at an epoch boundary sees exactly the batches of an uninterrupted one. Shuffles with
-    :class:`SeededShuffleSampler` unless a sampler is given (Lightning passes a distributed one)."""
+    :class:`SeededShuffleSampler` unless a sampler is given (Lightning passes a distributed one).
+
+    Why not torchdata's ``StatefulDataLoader`` here: it fast-forwards when Lightning creates the first iterator,
+    which Lightning does before setting the sampler's epoch (Lightning #21938), so under the default strategies a
+    run resumed mid-epoch replays epoch 0's order; and its own ``shuffle=True`` sampler is wrapped by Lightning in
+    distributed runs into one that draws from the global RNG. This loader compares the saved epoch with the
+    sampler's at iteration time, so neither matters. (``muon_fsdp`` works around both, and the latent shards use
+    ``StatefulDataLoader`` with their own world-size-independent sampler.)"""
 
     def __init__(self, dataset: Dataset, batch_size: int, sampler=None, seed: int = 0, **kwargs) -> None:
         kwargs.setdefault("drop_last", True)
