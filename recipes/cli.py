@@ -80,12 +80,14 @@ class MuonCLI(LightningCLI):
             config["ckpt_path"] = str(resolve_checkpoint(config["ckpt_path"]))
 
     def after_fit(self) -> None:
+        summary = fit_summary(self.trainer)  # on every rank: trainer.log_dir is a collective
         if self.trainer.is_global_zero:
-            print(fit_summary(self.trainer))
+            print(summary)
 
 
 def fit_summary(trainer: L.Trainer) -> str:
-    """Best and last evaluation values, the checkpoints, and the ``tensorboard`` command for the run's logs."""
+    """Best and last evaluation values, the checkpoints, and the ``tensorboard`` command for the run's logs (every
+    rank calls it: ``trainer.log_dir`` broadcasts)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_muon.callbacks import GenerationEvaluation
