@@ -19,8 +19,8 @@ from typing_extensions import override
 from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
 from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.checkpoint import atomic_write
-from lightning_muon.metrics.generation import HPSv2Score, ensure_reference
-from lightning_muon.metrics.images import folder_images
+from lightning_muon.metrics.generation import HPSv2Score, ensure_references
+from lightning_muon.metrics.images import folder_images, image_set_fingerprint
 from lightning_muon.metrics.presets import build_metrics
 
 __all__ = [
@@ -92,8 +92,10 @@ def prepare_references(
     """Load or compute (once, cached in ``cache_dir``) the reference statistics of every metric that has none.
 
     ``real_images()`` returns the real images as an indexable set of uint8 images (a tensor, or a lazy dataset such
-    as :func:`~lightning_muon.metrics.images.folder_images`). Images are decoded only when a cache file is missing,
-    and then each rank decodes only its share i ≡ rank (mod W).
+    as :func:`~lightning_muon.metrics.images.folder_images`). The cache is keyed by the metric, the extractor's
+    settings and weights and a fingerprint of the images (:func:`image_set_fingerprint`); images are decoded only
+    when a cache is missing or stale, and then each rank decodes only its share i ≡ rank (mod W), once for all
+    metrics.
     """
     pending = {n: m for n, m in metrics.items() if getattr(m, "reference", True) is None}
     if not pending:
@@ -102,10 +104,10 @@ def prepare_references(
 
     rank, world = _world()
     images = real_images()
+    data = {"name": data_name, "count": len(images), "fingerprint": image_set_fingerprint(images)}
     share = Subset(images, range(rank, len(images), world))
-    for name, metric in pending.items():
-        path = Path(cache_dir) / f"{name}_{data_name}_{len(images)}.pt"
-        ensure_reference(metric, path, lambda: DataLoader(share, batch_size=batch_size), progress=False)
+    paths = {name: Path(cache_dir) / f"{name}_{data_name}_{len(images)}.pt" for name in pending}
+    ensure_references(pending, paths, lambda: DataLoader(share, batch_size=batch_size), data, progress=False)
 
 
 @torch.no_grad()

@@ -10,9 +10,12 @@ from lightning_muon.metrics.features import (
 from lightning_muon.metrics.generation import (
     FrechetDistance,
     HPSv2Score,
+    InceptionScore,
+    KernelInceptionDistance,
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
     ensure_reference,
+    ensure_references,
     update_with_images,
 )
 
@@ -24,8 +27,11 @@ __all__ = [
     "FrechetDistance",
     "HPSv2Score",
     "InceptionFeatures",
+    "InceptionScore",
+    "KernelInceptionDistance",
     "MaximumMeanDiscrepancy",
     "PrecisionRecallDensityCoverage",
     "ensure_reference",
+    "ensure_references",
     "update_with_images",
 ]

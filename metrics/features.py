@@ -8,9 +8,12 @@ message that names the file and the argument to pass.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +25,12 @@ __all__ = [
     "DinoV2Features",
     "FeatureExtractor",
     "InceptionFeatures",
+    "check_images",
+    "clean_resize",
+    "hub_position_embeddings",
     "load_open_clip",
-    "resize_normalize",
+    "pil_resize",
+    "to_uint8",
     "to_unit_float",
 ]
 
@@ -37,73 +44,178 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LIGHTNING_MUON_CACHE", Path.home() / ".cache" / "lightning_muon"))
 
 
+def check_images(images: Tensor) -> Tensor:
+    """Raise unless ``images`` are ``(B, 1 or 3, H, W)`` uint8 in [0, 255] or float in [0, 1] (±1e-3); a float
+    tensor outside that range is an error naming the range it looks like, never silently wrapped or rescaled."""
+    if images.ndim != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(f"Expected images (B, 1 or 3, H, W), got shape {tuple(images.shape)}.")
+    if images.dtype == torch.uint8 or images.numel() == 0:
+        return images
+    if not images.is_floating_point():
+        raise ValueError(f"Expected uint8 or float images, got {images.dtype}.")
+    lo, hi = images.min().item(), images.max().item()
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise ValueError("Images contain NaN or inf values.")
+    if lo < -1e-3 or hi > 1 + 1e-3:
+        likely = "[-1, 1]: pass (x + 1) / 2" if lo < -1e-3 and hi <= 1 + 1e-3 else "[0, 255]: pass x / 255 or uint8"
+        raise ValueError(
+            f"Float images must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]; this looks like {likely}."
+        )
+    return images
+
+
 def to_unit_float(images: Tensor, channels: int = 3) -> Tensor:
     """uint8 [0, 255] or float [0, 1] images ``(B, C, H, W)`` → float32 in [0, 1] with ``channels`` channels."""
-    if images.ndim != 4:
-        raise ValueError(f"Expected images (B, C, H, W), got shape {tuple(images.shape)}.")
-    x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
+    x = check_images(images)
+    x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float().clamp(0, 1)
     if x.shape[1] == channels:
         return x
-    if x.shape[1] == 1:
-        return x.expand(-1, channels, -1, -1)
-    if channels == 1 and x.shape[1] == 3:
-        return x.mean(1, keepdim=True)
-    raise ValueError(f"Expected 1 or {channels} channels, got {x.shape[1]}.")
+    return x.expand(-1, channels, -1, -1) if x.shape[1] == 1 else x.mean(1, keepdim=True)
 
 
-def resize_normalize(x: Tensor, size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
-    """Bicubic (antialiased) resize of the short side to ``size``, center crop, then ``(x - mean) / std``."""
-    h, w = x.shape[-2:]
-    if (h, w) != (size, size):
-        scale = size / min(h, w)
-        x = F.interpolate(
-            x,
-            size=(max(size, round(h * scale)), max(size, round(w * scale))),
-            mode="bicubic",
-            antialias=True,
-            align_corners=False,
-        )
-        top, left = (x.shape[-2] - size) // 2, (x.shape[-1] - size) // 2
-        x = x[..., top : top + size, left : left + size]
-    mean_t = torch.tensor(mean, device=x.device).view(1, -1, 1, 1)
-    std_t = torch.tensor(std, device=x.device).view(1, -1, 1, 1)
-    return (x - mean_t) / std_t
+def to_uint8(images: Tensor) -> Tensor:
+    """Images as uint8 RGB ``(B, 3, H, W)``: floats in [0, 1] are quantized as a PNG writer would (round(255 x))."""
+    x = check_images(images)
+    if x.dtype != torch.uint8:
+        x = (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+
+
+def pil_resize(images: Tensor, size: int, center_crop: bool = False) -> Tensor:
+    """uint8 images → float ``(B, 3, size, size)`` in [0, 1] through PIL's bicubic resize, image by image: what
+    ``torchvision.transforms.Resize((size, size), BICUBIC)`` does to a PIL image in dgm-eval, and with
+    ``center_crop`` (largest centered square first) what google-research/cmmd's ``_center_crop_and_resize`` does."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for image in to_uint8(images).permute(0, 2, 3, 1).cpu().numpy():
+        pil = Image.fromarray(image)
+        if center_crop:
+            w, h = pil.size
+            side = min(w, h)
+            left, top = (w - side) // 2, (h - side) // 2
+            pil = pil.crop((left, top, left + side, top + side))
+        out.append(torch.from_numpy(np.asarray(pil.resize((size, size), Image.BICUBIC)).copy()))
+    return torch.stack(out).permute(0, 3, 1, 2).float().div_(255).to(images.device)
+
+
+def clean_resize(images: Tensor, size: int) -> Tensor:
+    """clean-fid's "clean" resize: each channel as a float32 PIL image, bicubic to ``size``, clipped to [0, 255];
+    returned as uint8 ``(B, 3, size, size)`` (rounded: the only difference to clean-fid, which keeps the floats)."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    for image in to_uint8(images).float().cpu().numpy():
+        channels = [np.asarray(Image.fromarray(c, mode="F").resize((size, size), Image.BICUBIC)) for c in image]
+        out.append(torch.from_numpy(np.stack(channels).clip(0, 255)))
+    return torch.stack(out).round().to(torch.uint8).to(images.device)
+
+
+def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
+    """``(x - mean) / std`` per channel."""
+    return (x - torch.tensor(mean, device=x.device).view(1, -1, 1, 1)) / torch.tensor(std, device=x.device).view(
+        1, -1, 1, 1
+    )
+
+
+def parameters_digest(module: nn.Module) -> str:
+    """A hash of every parameter and buffer (names, shapes, dtypes, bytes): equal exactly when the weights are."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
 
 
 class FeatureExtractor(nn.Module):
     """Base class: ``name`` and ``num_features`` (torchmetrics' FID reads it), chunked inference-mode ``forward``.
 
-    Subclasses implement :meth:`features` on one chunk. ``autocast`` runs the network in bf16 on CUDA.
+    Subclasses implement :meth:`features` on one chunk (a tensor, or a dict of tensors of which ``layer`` is
+    returned). Runs in float32 like every reference implementation; ``autocast=True`` opts in to bf16 on CUDA.
+    The features of the most recent input tensor are remembered, so metrics that share an extractor and are
+    updated with the same batch run the network once. NaN/inf features are an error.
     """
 
     name: str = "features"
     num_features: int
+    layer: str | None = None
 
-    def __init__(self, batch_size: int = 64, autocast: bool = True) -> None:
+    def __init__(self, batch_size: int = 64, autocast: bool = False) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.autocast = autocast
+        self.memo: dict[str, Any] = {}  # shared by views of one network (InceptionFeatures.view)
 
-    def features(self, images: Tensor) -> Tensor:
+    def features(self, images: Tensor) -> Tensor | dict[str, Tensor]:
         raise NotImplementedError
 
+    def settings(self) -> dict[str, Any]:
+        """What, besides the weights, decides the features (part of the reference-cache key)."""
+        return {"class": type(self).__name__, "name": self.name, "layer": self.layer, "autocast": self.autocast}
+
+    def fingerprint(self) -> dict[str, Any]:
+        """:meth:`settings` plus a digest of the weights (computed once)."""
+        if "digest" not in self.memo:
+            self.memo["digest"] = parameters_digest(self)
+        return {**self.settings(), "num_features": int(self.num_features), "weights": self.memo["digest"]}
+
     def forward(self, images: Tensor) -> Tensor:
+        key = (id(images), _version(images), tuple(images.shape), images.dtype)
+        if self.memo.get("key") != key or self.memo.get("input") is not images:
+            self.memo.update(key=key, input=images, output=self._extract(images))
+        out = self.memo["output"]
+        return out[self.layer] if isinstance(out, dict) else out
+
+    def _extract(self, images: Tensor) -> Tensor | dict[str, Tensor]:
         device = next(self.parameters()).device
         use_bf16 = self.autocast and device.type == "cuda"
-        out = []
+        check_images(images)
+        chunks = []
         with torch.inference_mode(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
             for chunk in images.split(self.batch_size):
-                out.append(self.features(chunk.to(device)).float())
-        # clone: an ordinary tensor, so metric states may be updated in place with it outside inference mode
-        return torch.cat(out).clone() if out else torch.zeros((0, self.num_features), device=device)
+                chunks.append(self.features(chunk.to(device)))
+        if not chunks:
+            return torch.zeros((0, self.num_features), device=device)
+        # clone: ordinary tensors, so metric states may be updated in place with them outside inference mode
+        if isinstance(chunks[0], dict):
+            out: Any = {k: _checked(torch.cat([c[k] for c in chunks]).float().clone(), self.name) for k in chunks[0]}
+        else:
+            out = _checked(torch.cat(chunks).float().clone(), self.name)
+        return out
 
     def train(self, mode: bool = True) -> FeatureExtractor:
         """Extractors stay in eval mode (no dropout / batch-norm updates), whatever the parent module does."""
         return super().train(False)
 
 
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (and cannot be changed outside inference mode)
+        return -1
+
+
+def _checked(features: Tensor, name: str) -> Tensor:
+    if not torch.isfinite(features).all():
+        raise FloatingPointError(
+            f"The {name} extractor produced NaN/inf features; check the images and the weights file (a corrupt or "
+            "half-precision-overflowing checkpoint), or run without autocast."
+        )
+    return features
+
+
 class DinoV2Features(FeatureExtractor):
-    """DINOv2 CLS features (layer-normed, 1024-d for ViT-L/14): bicubic 224 resize, ImageNet mean/std → "FD-DINOv2".
+    """DINOv2 CLS features (layer-normed, 1024-d for ViT-L/14) as dgm-eval computes them → "FD-DINOv2".
+
+    dgm-eval's recipe (``dgm_eval/models/dinov2.py``): each image through PIL's bicubic resize to 224×224
+    (aspect not kept), ``ToTensor``, ImageNet mean/std, then the ``torch.hub`` DINOv2 whose position embeddings
+    (37×37 for the 518-px checkpoints) are resized with ``scale_factor=(16 + 0.1) / 37`` (facebookresearch/dinov2's
+    ``interpolate_offset=0.1``, bicubic, no antialias). transformers' ``Dinov2Model`` interpolates to
+    ``size=(16, 16)`` instead (a 4.6% feature difference on smooth weights), so the hub rule is installed on the
+    loaded model. Float images are quantized to uint8 first, as dgm-eval reads PNG files.
 
     Args:
         weights: a directory with ``config.json`` + weights (``save_pretrained`` layout) or a hub id such as
@@ -126,26 +238,66 @@ class DinoV2Features(FeatureExtractor):
                 "e.g. made with `huggingface-cli download facebook/dinov2-large --local-dir DIR` on a machine online."
             ) from err
         self.model.eval()
+        embeddings = self.model.embeddings
+        embeddings.interpolate_pos_encoding = lambda x, h, w: hub_position_embeddings(
+            embeddings.position_embeddings, h // self.model.config.patch_size, w // self.model.config.patch_size
+        )
         self.image_size = image_size
         self.num_features = self.model.config.hidden_size
 
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "image_size": self.image_size}
+
     def features(self, images: Tensor) -> Tensor:
-        x = resize_normalize(to_unit_float(images), self.image_size, IMAGENET_MEAN, IMAGENET_STD)
+        x = normalize(pil_resize(images, self.image_size), IMAGENET_MEAN, IMAGENET_STD)
         return self.model(pixel_values=x).pooler_output
 
 
+def hub_position_embeddings(pos: Tensor, rows: int, cols: int, offset: float = 0.1) -> Tensor:
+    """facebookresearch/dinov2's ``interpolate_pos_encoding``: the ``M×M`` patch embeddings of ``pos``
+    ``(1, 1 + M², d)`` resized bicubically (in float32, no antialias) by
+    ``scale_factor=((rows + offset) / M, (cols + offset) / M)``, the class embedding kept; unchanged when the grid
+    already matches."""
+    m = math.isqrt(pos.shape[1] - 1)
+    if (rows, cols) == (m, m):
+        return pos
+    grid = pos[:, 1:].float().reshape(1, m, m, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, scale_factor=((rows + offset) / m, (cols + offset) / m), mode="bicubic", antialias=False)
+    if grid.shape[-2:] != (rows, cols):
+        raise ValueError(f"Position-embedding grid {tuple(grid.shape[-2:])} does not match the {rows}x{cols} patches.")
+    return torch.cat([pos[:, :1].float(), grid.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)], 1).to(pos.dtype)
+
+
+#: InceptionFeatures layers: torch-fidelity's names of pool3 and the logits; "spatial" is ADM's sFID layer.
+INCEPTION_LAYERS = {"pool3": "2048", "logits": "logits_unbiased", "spatial": None}
+
+
 class InceptionFeatures(FeatureExtractor):
-    """InceptionV3 pool3 features (2048-d) with torch-fidelity's FID network → "FID".
+    """torch-fidelity's FID InceptionV3 ("inception-v3-compat", the TF 2015 graph ported): FID, KID, IS, sFID.
+
+    The network is torch-fidelity's own module, so with the default ``resize="tf1"`` (uint8 images resized to 299
+    by its TensorFlow-1 bilinear rule) the features are torch-fidelity's exactly. ``resize="clean"`` applies
+    clean-fid's PIL bicubic resize to 299 first (:func:`clean_resize`). One pass yields every layer:
+
+    - ``"pool3"``: the 2048-d pool features (FID, KID, precision/recall);
+    - ``"logits"``: the 1008 logits without bias (torch-fidelity's ``logits_unbiased``: Inception Score);
+    - ``"spatial"``: the first 7 channels of ``Mixed_6d``'s 1×1 branch (TF ``mixed_6/conv``), 7×17×17 = 2023-d
+      flattened in TF's (H, W, C) order, ADM's evaluator's sFID features.
+
+    :meth:`view` gives another layer of the same network and the same one-pass memo.
 
     Args:
         weights: the torch-fidelity weights file ``pt_inception-2015-12-05-6726825d.pth``.
+        layer: which layer ``forward`` returns.
+        resize: ``"tf1"`` (torch-fidelity, pytorch-fid's FID weights) or ``"clean"`` (clean-fid).
     """
 
     name = "inception"
-    num_features = 2048
 
-    def __init__(self, weights: str | os.PathLike, **kwargs) -> None:
+    def __init__(self, weights: str | os.PathLike, layer: str = "pool3", resize: str = "tf1", **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if layer not in INCEPTION_LAYERS or resize not in ("tf1", "clean"):
+            raise ValueError(f"layer must be one of {sorted(INCEPTION_LAYERS)} and resize 'tf1' or 'clean'.")
         path = Path(weights)
         if not path.is_file():
             raise FileNotFoundError(
@@ -153,16 +305,37 @@ class InceptionFeatures(FeatureExtractor):
                 "pt_inception-2015-12-05-6726825d.pth (download it once on a machine online; this library never "
                 "downloads)."
             )
-        from torchmetrics.image.fid import NoTrainInceptionV3
+        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
         from lightning_muon.checkpoint import check_weights_file
 
         check_weights_file(path, "InceptionV3 weights")  # torch-fidelity unpickles it with weights_only=False
-        self.model = NoTrainInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(path))
+        self.net = FeatureExtractorInceptionV3(
+            "inception-v3-compat", ["2048", "logits_unbiased"], feature_extractor_weights_path=str(path)
+        )
+        self.net.Mixed_6d.branch1x1.register_forward_hook(self._keep_spatial)
+        self.layer, self.resize = layer, resize
+        self.num_features = {"pool3": 2048, "logits": 1008, "spatial": 7 * 17 * 17}[layer]
 
-    def features(self, images: Tensor) -> Tensor:
-        x = (to_unit_float(images) * 255).round().to(torch.uint8)  # the FID network takes uint8 and resizes to 299
-        return self.model(x).reshape(len(x), -1)
+    def _keep_spatial(self, module: nn.Module, args: Any, output: Tensor) -> None:
+        self.memo["spatial"] = output[:, :7].permute(0, 2, 3, 1).flatten(1)
+
+    def view(self, layer: str) -> InceptionFeatures:
+        """The same network (and memo) returning ``layer``."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other._modules = self._modules  # the same submodules, not copies
+        other.layer = layer
+        other.num_features = {"pool3": 2048, "logits": 1008, "spatial": 7 * 17 * 17}[layer]
+        return other
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "layer": None, "resize": self.resize}  # the layer is keyed by num_features
+
+    def features(self, images: Tensor) -> dict[str, Tensor]:
+        x = clean_resize(images, 299) if self.resize == "clean" else to_uint8(images)
+        pool3, logits = self.net(x)
+        return {"pool3": pool3, "logits": logits, "spatial": self.memo.pop("spatial").float()}
 
 
 def open_clip_model_name(model_name: str | os.PathLike) -> str:
@@ -179,12 +352,35 @@ def open_clip_model_name(model_name: str | os.PathLike) -> str:
     return str(model_name)
 
 
-def load_open_clip(model_name: str, weights: str | os.PathLike) -> nn.Module:
-    """An open_clip model of architecture ``model_name`` (a name or a model-config JSON path) with weights from a
-    local checkpoint file.
+def read_open_clip_state(path: Path) -> dict[str, Tensor]:
+    """Weights from a ``.safetensors`` file, OpenAI's TorchScript release (``ViT-L-14-336px.pt``: a TorchScript
+    archive, read with ``torch.jit.load``, no pickled Python objects) or a ``torch.save``d state dict / training
+    checkpoint ``{"state_dict": ...}`` (HPS v2.1, read with ``weights_only=True``); ``module.`` prefixes removed."""
+    import zipfile
 
-    Accepts plain state dicts and training checkpoints ``{"state_dict": ...}`` (HPS v2.1), ``module.`` prefixes removed.
-    """
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    elif zipfile.is_zipfile(path) and any(n.endswith("/constants.pkl") for n in zipfile.ZipFile(path).namelist()):
+        state = torch.jit.load(str(path), map_location="cpu").state_dict()
+        state = {k: v for k, v in state.items() if k not in ("input_resolution", "context_length", "vocab_size")}
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ValueError(
+                f"Cannot read open_clip weights {str(path)!r}: {err}. Pass a .safetensors file, a state dict saved "
+                "with torch.save, or OpenAI's TorchScript .pt release."
+            ) from err
+        state = state.get("state_dict", state)
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def load_open_clip(model_name: str, weights: str | os.PathLike, quick_gelu: bool = False) -> nn.Module:
+    """An open_clip model of architecture ``model_name`` (a name or a model-config JSON path) with weights from a
+    local file (:func:`read_open_clip_state`). ``quick_gelu`` must be True for OpenAI's CLIP weights (trained with
+    QuickGELU; open_clip's own ``pretrained="openai"`` entries force it) and False for LAION-trained ones (HPS v2.1)."""
     import open_clip
 
     path = Path(weights)
@@ -193,31 +389,41 @@ def load_open_clip(model_name: str, weights: str | os.PathLike) -> nn.Module:
             f"open_clip checkpoint {str(path)!r} for {model_name} does not exist. Pass `weights=` a local checkpoint "
             "file (this library never downloads)."
         )
-    model = open_clip.create_model(open_clip_model_name(model_name), pretrained=None)
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    state = state.get("state_dict", state)
-    model.load_state_dict({k.removeprefix("module."): v for k, v in state.items()})
+    model = open_clip.create_model(open_clip_model_name(model_name), pretrained=None, force_quick_gelu=quick_gelu)
+    try:
+        model.load_state_dict(read_open_clip_state(path))
+    except RuntimeError as err:
+        raise ValueError(f"{str(path)!r} does not hold {model_name} weights: {err}") from err
     return model.eval()
 
 
 class ClipFeatures(FeatureExtractor):
-    """L2-normalized CLIP image embeddings (open_clip), as CMMD uses (ViT-L/14 @ 336 px).
+    """L2-normalized CLIP image embeddings as google-research/cmmd computes them (ViT-L/14 @ 336 px, OpenAI weights).
+
+    cmmd's recipe: the largest centered square of each image, PIL bicubic resize to 336, /255, OpenAI mean/std
+    (``CLIPImageProcessor`` without resize/crop/rescale), the CLIP vision tower with projection, L2 norm.
 
     Args:
-        weights: local open_clip checkpoint of ``model_name``.
+        weights: local file of ``model_name`` weights (``.safetensors``, state dict, or OpenAI's TorchScript ``.pt``).
         model_name: open_clip architecture.
+        quick_gelu: the activation of OpenAI's weights (True, cmmd's); False for LAION-trained weights.
     """
 
-    def __init__(self, weights: str | os.PathLike, model_name: str = "ViT-L-14-336", **kwargs) -> None:
+    def __init__(
+        self, weights: str | os.PathLike, model_name: str = "ViT-L-14-336", quick_gelu: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.model = load_open_clip(model_name, weights)
+        self.model = load_open_clip(model_name, weights, quick_gelu=quick_gelu)
         self.name = f"clip-{open_clip_model_name(model_name)}"
         self.image_size = clip_image_size(self.model)
         self.mean, self.std = clip_mean_std(self.model)
         self.num_features = self.model.visual.output_dim
 
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "image_size": self.image_size}
+
     def features(self, images: Tensor) -> Tensor:
-        x = resize_normalize(to_unit_float(images), self.image_size, self.mean, self.std)
+        x = normalize(pil_resize(images, self.image_size, center_crop=True), self.mean, self.std)
         return F.normalize(self.model.encode_image(x).float(), dim=-1)
 
 

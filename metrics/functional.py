@@ -1,11 +1,26 @@
-"""Pure formulas of the generation-quality metrics: Fréchet distance, PRDC (Naeem et al. 2020) and RBF MMD (CMMD)."""
+"""Pure formulas of the generation-quality metrics: Fréchet distance, PRDC (Naeem et al. 2020), RBF MMD (CMMD),
+KID and the Inception Score; the O(N²) ones split into shard-sized pieces whose sums make the whole."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["frechet_distance", "gaussian_from_sums", "mmd", "prdc"]
+__all__ = [
+    "frechet_distance",
+    "gaussian_from_sums",
+    "inception_score",
+    "kid_subsets",
+    "knn_candidates",
+    "merge_knn",
+    "mmd",
+    "mmd_from_sums",
+    "mmd_kernel_sums",
+    "polynomial_mmd2",
+    "prdc",
+    "prdc_counts",
+    "prdc_from_counts",
+]
 
 
 def gaussian_from_sums(feature_sum: Tensor, outer_sum: Tensor, n: int | Tensor) -> tuple[Tensor, Tensor]:
@@ -52,24 +67,80 @@ def _merge_smallest(best: Tensor, candidates: Tensor) -> Tensor:
     return torch.cat([best, candidates], 1).topk(best.shape[1], dim=1, largest=False).values
 
 
-def _kth_neighbour_sq_radii(x: Tensor, k: int, chunk: int) -> Tensor:
-    """Squared distance of each row of ``x`` to its k-th nearest other row (the row itself is the 0-th).
+def _block_pairs(n: int, chunk: int, shard: tuple[int, int]) -> list[tuple[int, int]]:
+    """The upper-triangle blocks (i, j ≥ i) of an n×n distance matrix that shard ``(rank, world)`` computes:
+    every ``world``-th block, so the ranks split the work and together cover every block once."""
+    rank, world = shard
+    pairs = [(i, j) for i in range(0, n, chunk) for j in range(i, n, chunk)]
+    return pairs[rank::world]
+
+
+def knn_candidates(x: Tensor, k: int, chunk: int, shard: tuple[int, int] = (0, 1)) -> Tensor:
+    """Each row's ``k + 1`` smallest squared distances to rows of ``x`` (itself included, at 0) over this shard's
+    blocks ``(n, k + 1)`` (``inf`` where the shard saw fewer). Merging the shards' candidates with
+    :func:`merge_knn` gives the exact k-NN radii.
 
     Distances are symmetric, so only blocks (i, j ≥ i) are computed; each serves the rows of i (top-k along
     columns) and of j (top-k along rows), with running top-(k+1) lists merged per block: half the matmuls.
     """
     n, x_sq = len(x), x.square().sum(1)
     best = torch.full((n, k + 1), float("inf"), dtype=x.dtype, device=x.device)
-    for i in range(0, n, chunk):
-        for j in range(i, n, chunk):
-            d = _sq_dists(x[i : i + chunk], x[j : j + chunk], x_sq[i : i + chunk], x_sq[j : j + chunk])
-            best[i : i + chunk] = _merge_smallest(
-                best[i : i + chunk], d.topk(min(k + 1, d.shape[1]), dim=1, largest=False).values
-            )
-            if j != i:
-                col = d.topk(min(k + 1, d.shape[0]), dim=0, largest=False).values.T
-                best[j : j + chunk] = _merge_smallest(best[j : j + chunk], col)
-    return best[:, k].clamp_min(0)
+    for i, j in _block_pairs(n, chunk, shard):
+        d = _sq_dists(x[i : i + chunk], x[j : j + chunk], x_sq[i : i + chunk], x_sq[j : j + chunk])
+        best[i : i + chunk] = _merge_smallest(
+            best[i : i + chunk], d.topk(min(k + 1, d.shape[1]), dim=1, largest=False).values
+        )
+        if j != i:
+            col = d.topk(min(k + 1, d.shape[0]), dim=0, largest=False).values.T
+            best[j : j + chunk] = _merge_smallest(best[j : j + chunk], col)
+    return best
+
+
+def merge_knn(candidates: Tensor, k: int) -> Tensor:
+    """Squared k-th-neighbour radii ``(n,)`` from shards' candidates concatenated along dim 1 ``(n, S·(k+1))``."""
+    return candidates.topk(k + 1, dim=1, largest=False).values[:, k].clamp_min(0)
+
+
+def prdc_counts(
+    real: Tensor, fake: Tensor, real_radii: Tensor, fake_radii: Tensor, chunk: int, rows: range | None = None
+) -> Tensor:
+    """The sums PRDC is made of, over real rows ``rows`` (all by default), as one float64 vector
+    ``[Σ_i 1[x̂_j ∈ B(x_i, r_i)] for j < M, 1[∃j: x_i ∈ B(x̂_j, r̂_j)] for i < N, 1[∃j: x̂_j ∈ B(x_i, r_i)] for i < N]``;
+    shards over disjoint rows add up to the whole (one all-reduce)."""
+    n, m = len(real), len(fake)
+    rows = rows if rows is not None else range(n)
+    out = torch.zeros(m + 2 * n, dtype=torch.float64, device=real.device)
+    real_sq, fake_sq = real.square().sum(1), fake.square().sum(1)
+    for i in range(rows.start, rows.stop, chunk):
+        e = min(i + chunk, rows.stop)
+        d = _sq_dists(real[i:e], fake, real_sq[i:e], fake_sq).clamp_min_(0)  # (chunk, M)
+        inside = d < real_radii[i:e, None]
+        out[:m] += inside.sum(0)
+        out[m + i : m + e] = (d < fake_radii[None, :]).any(1).double()
+        out[m + n + i : m + n + e] = inside.any(1).double()
+    return out
+
+
+def prdc_from_counts(counts: Tensor, n: int, m: int, k: int) -> dict[str, Tensor]:
+    """Precision, recall, density and coverage from the :func:`prdc_counts` vector."""
+    fake_in_real_balls, real_in_fake_ball, real_ball_has_fake = counts[:m], counts[m : m + n], counts[m + n :]
+    return {
+        "precision": (fake_in_real_balls > 0).double().mean(),
+        "recall": real_in_fake_ball.mean(),
+        "density": fake_in_real_balls.sum() / (k * m),
+        "coverage": real_ball_has_fake.mean(),
+    }
+
+
+def check_prdc_inputs(real: Tensor, fake: Tensor, k: int) -> None:
+    if real.ndim != 2 or fake.ndim != 2 or real.shape[1] != fake.shape[1]:
+        raise ValueError(f"Expected (N, d) and (M, d) features, got {tuple(real.shape)} and {tuple(fake.shape)}.")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}.")
+    if len(real) <= k or len(fake) <= k:
+        raise ValueError(
+            f"PRDC with k={k} needs more than {k} real and fake samples, got {len(real)} real and {len(fake)} fake."
+        )
 
 
 def prdc(
@@ -85,7 +156,8 @@ def prdc(
     - density :math:`= \frac{1}{kM} \sum_j \sum_i [\hat x_j \in B(x_i, r_i)]`
     - coverage :math:`= \frac1N \sum_i [\exists j: \hat x_j \in B(x_i, r_i)]`
 
-    Distances are computed ``chunk_size`` rows at a time, so memory is O(chunk·(N + M)), never O(N²).
+    Distances are computed ``chunk_size`` rows at a time, so memory is O(chunk·(N + M)), never O(N²). The metric
+    class splits the same pieces (:func:`knn_candidates`, :func:`prdc_counts`) across DDP ranks.
 
     Args:
         real: ``(N, d)`` features of real images.
@@ -94,33 +166,43 @@ def prdc(
         chunk_size: rows per distance block.
         dtype: distance computation dtype (float64 for bit-level agreement with a float64 reference).
     """
-    if real.ndim != 2 or fake.ndim != 2 or real.shape[1] != fake.shape[1]:
-        raise ValueError(f"Expected (N, d) and (M, d) features, got {tuple(real.shape)} and {tuple(fake.shape)}.")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}.")
-    if len(real) <= k or len(fake) <= k:
-        raise ValueError(
-            f"PRDC with k={k} needs more than {k} real and fake samples, got {len(real)} real and {len(fake)} fake."
-        )
+    check_prdc_inputs(real, fake, k)
     real, fake = real.to(dtype), fake.to(dtype)
-    real_radii = _kth_neighbour_sq_radii(real, k, chunk_size)
-    fake_radii = _kth_neighbour_sq_radii(fake, k, chunk_size)
-    fake_in_real_balls = torch.zeros(len(fake), dtype=torch.long, device=fake.device)  # Σ_i [x̂_j ∈ B(x_i, r_i)]
-    real_in_fake_ball = torch.zeros(len(real), dtype=torch.bool, device=real.device)
-    real_ball_has_fake = torch.zeros(len(real), dtype=torch.bool, device=real.device)
-    real_sq, fake_sq = real.square().sum(1), fake.square().sum(1)
-    for i in range(0, len(real), chunk_size):
-        d = _sq_dists(real[i : i + chunk_size], fake, real_sq[i : i + chunk_size], fake_sq).clamp_min_(0)  # (chunk, M)
-        inside = d < real_radii[i : i + chunk_size, None]
-        fake_in_real_balls += inside.sum(0)
-        real_ball_has_fake[i : i + chunk_size] = inside.any(1)
-        real_in_fake_ball[i : i + chunk_size] = (d < fake_radii[None, :]).any(1)
-    return {
-        "precision": (fake_in_real_balls > 0).double().mean(),
-        "recall": real_in_fake_ball.double().mean(),
-        "density": fake_in_real_balls.double().sum() / (k * len(fake)),
-        "coverage": real_ball_has_fake.double().mean(),
-    }
+    real_radii = merge_knn(knn_candidates(real, k, chunk_size), k)
+    fake_radii = merge_knn(knn_candidates(fake, k, chunk_size), k)
+    return prdc_from_counts(prdc_counts(real, fake, real_radii, fake_radii, chunk_size), len(real), len(fake), k)
+
+
+def mmd_kernel_sums(
+    x: Tensor, y: Tensor, sigma: float = 10.0, chunk_size: int = 4096, rows: tuple[int, int] = (0, 1)
+) -> Tensor:
+    """``[Σ k(x, x'), Σ k(y, y'), Σ k(x, y)]`` (float64, RBF kernel) over the row blocks ``rows = (rank, world)``
+    takes; the shards' sums add up to the full sums."""
+    x, y = x.double(), y.double()
+    gamma = 1.0 / (2 * sigma**2)
+    rank, world = rows
+
+    def kernel_sum(a: Tensor, b: Tensor) -> Tensor:
+        a_sq, b_sq = a.square().sum(1), b.square().sum(1)
+        total = torch.zeros((), dtype=torch.float64, device=a.device)
+        for i in list(range(0, len(a), chunk_size))[rank::world]:
+            d = _sq_dists(a[i : i + chunk_size], b, a_sq[i : i + chunk_size], b_sq).clamp_min_(0)
+            total += d.mul_(-gamma).exp_().sum()
+        return total
+
+    return torch.stack([kernel_sum(x, x), kernel_sum(y, y), kernel_sum(x, y)])
+
+
+def mmd_from_sums(sums: Tensor, n: int, m: int, scale: float = 1000.0) -> Tensor:
+    """``scale · (mean k(x, x') + mean k(y, y') − 2 mean k(x, y))`` from :func:`mmd_kernel_sums`."""
+    return scale * (sums[0] / (n * n) + sums[1] / (m * m) - 2 * sums[2] / (n * m))
+
+
+def check_mmd_inputs(x: Tensor, y: Tensor) -> None:
+    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[1]:
+        raise ValueError(f"Expected (N, d) and (M, d) features, got {tuple(x.shape)} and {tuple(y.shape)}.")
+    if len(x) < 1 or len(y) < 1:
+        raise ValueError(f"MMD needs at least one sample per set, got {len(x)} and {len(y)}.")
 
 
 def mmd(x: Tensor, y: Tensor, sigma: float = 10.0, scale: float = 1000.0, chunk_size: int = 4096) -> Tensor:
@@ -132,19 +214,55 @@ def mmd(x: Tensor, y: Tensor, sigma: float = 10.0, scale: float = 1000.0, chunk_
 
     with means over all pairs (diagonals included), accumulated in float64 ``chunk_size`` rows at a time.
     """
-    if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[1]:
-        raise ValueError(f"Expected (N, d) and (M, d) features, got {tuple(x.shape)} and {tuple(y.shape)}.")
-    if len(x) < 1 or len(y) < 1:
-        raise ValueError(f"MMD needs at least one sample per set, got {len(x)} and {len(y)}.")
-    x, y = x.double(), y.double()
-    gamma = 1.0 / (2 * sigma**2)
+    check_mmd_inputs(x, y)
+    return mmd_from_sums(mmd_kernel_sums(x, y, sigma, chunk_size), len(x), len(y), scale)
 
-    def mean_kernel(a: Tensor, b: Tensor) -> Tensor:
-        a_sq, b_sq = a.square().sum(1), b.square().sum(1)
-        blocks = (
-            _sq_dists(a[i : i + chunk_size], b, a_sq[i : i + chunk_size], b_sq).clamp_min_(0)
-            for i in range(0, len(a), chunk_size)
+
+def kid_subsets(n: int, m: int, subsets: int, subset_size: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    """torch-fidelity's KID subsets: ``numpy.random.RandomState(seed)``, per subset ``choice(n, size,
+    replace=False)`` for the first set then ``choice(m, ...)`` for the second."""
+    import numpy as np
+
+    if n < subset_size or m < subset_size:
+        raise ValueError(
+            f"KID with subset_size={subset_size} needs at least that many real and generated samples, got {n} and "
+            f"{m}; lower subset_size or add samples."
         )
-        return sum(d.mul_(-gamma).exp_().sum() for d in blocks) / (len(a) * len(b))
+    rng = np.random.RandomState(seed)
+    return [
+        (
+            torch.from_numpy(rng.choice(n, subset_size, replace=False)),
+            torch.from_numpy(rng.choice(m, subset_size, replace=False)),
+        )
+        for _ in range(subsets)
+    ]
 
-    return scale * (mean_kernel(x, x) + mean_kernel(y, y) - 2 * mean_kernel(x, y))
+
+def polynomial_mmd2(x: Tensor, y: Tensor, degree: int = 3, gamma: float | None = None, coef0: float = 1.0) -> Tensor:
+    r"""Unbiased MMD² with the kernel :math:`k(a, b) = (\gamma\, a^\top b + c_0)^{d}`, :math:`\gamma = 1/\dim`
+    by default (Bińkowski et al. 2018, KID): diagonal terms of :math:`K_{xx}, K_{yy}` left out, float64."""
+    x, y = x.double(), y.double()
+    gamma = 1.0 / x.shape[1] if gamma is None else gamma
+    m = len(x)
+    k_xx, k_yy, k_xy = ((a @ b.T * gamma + coef0) ** degree for a, b in ((x, x), (y, y), (x, y)))
+    return (k_xx.sum() - k_xx.trace() + k_yy.sum() - k_yy.trace()) / (m * (m - 1)) - 2 * k_xy.sum() / (m * m)
+
+
+def inception_score(logits: Tensor, splits: int = 10, seed: int | None = 2020) -> tuple[Tensor, Tensor]:
+    r"""Inception Score (Salimans et al. 2016) as torch-fidelity computes it: rows shuffled by
+    ``numpy.random.RandomState(seed).permutation`` (``seed=None``: not shuffled), ``splits`` contiguous splits,
+    per split :math:`\exp\big(\mathbb E_x \mathrm{KL}(p(y|x)\,\|\,p(y))\big)`; mean and (population) std."""
+    import numpy as np
+
+    n = len(logits)
+    if n < splits:
+        raise ValueError(f"Inception Score with {splits} splits needs at least {splits} samples, got {n}.")
+    if seed is not None:
+        logits = logits[torch.from_numpy(np.random.RandomState(seed).permutation(n)).to(logits.device)]
+    p, log_p = logits.double().softmax(1), logits.double().log_softmax(1)
+    scores = []
+    for i in range(splits):
+        part, log_part = p[i * n // splits : (i + 1) * n // splits], log_p[i * n // splits : (i + 1) * n // splits]
+        scores.append((part * (log_part - part.mean(0, keepdim=True).log())).sum(1).mean().exp())
+    s = torch.stack(scores)
+    return s.mean(), s.std(unbiased=False)

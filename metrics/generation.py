@@ -2,12 +2,15 @@
 
 Real-image (reference) statistics can be saved once and loaded later. A loaded reference is kept outside the
 synchronized states, so under DDP it is never summed or concatenated across ranks, and ``reset()`` keeps it.
+Every metric works when some ranks are given no images, and the O(N²) metrics (PRDC, MMD, KID) split their
+distance work across ranks after the one all-gather of features that torchmetrics' sync does.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,35 +18,57 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
-from torchmetrics.image.fid import FrechetInceptionDistance
 from torchmetrics.utilities import dim_zero_cat
 
 from lightning_muon.metrics.features import (
     FeatureExtractor,
     atomic_save,
+    check_images,
     clip_image_size,
     clip_mean_std,
     load_open_clip,
+    normalize,
     open_clip_model_name,
-    resize_normalize,
     to_unit_float,
 )
-from lightning_muon.metrics.functional import frechet_distance, gaussian_from_sums, mmd, prdc
+from lightning_muon.metrics.functional import (
+    check_mmd_inputs,
+    check_prdc_inputs,
+    frechet_distance,
+    gaussian_from_sums,
+    inception_score,
+    kid_subsets,
+    knn_candidates,
+    merge_knn,
+    mmd_from_sums,
+    mmd_kernel_sums,
+    polynomial_mmd2,
+    prdc_counts,
+    prdc_from_counts,
+)
 
 __all__ = [
     "FrechetDistance",
     "HPSv2Score",
+    "InceptionScore",
+    "KernelInceptionDistance",
     "MaximumMeanDiscrepancy",
     "PrecisionRecallDensityCoverage",
     "ensure_reference",
+    "ensure_references",
     "update_with_images",
 ]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 class _ReferenceCache:
     """Save / load the real-image statistics of a metric to a file tagged with the extractor that made them."""
 
     kind: str
+    reference: dict[str, Tensor] | None
 
     def _extractor(self) -> FeatureExtractor:
         raise NotImplementedError
@@ -51,23 +76,26 @@ class _ReferenceCache:
     def _reference_from_states(self) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def _tag(self) -> dict[str, Any]:
-        extractor = self._extractor()
-        return {"metric": self.kind, "extractor": extractor.name, "num_features": int(extractor.num_features)}
+    def reference_tag(self, data: Any = None) -> dict[str, Any]:
+        """What the reference statistics depend on: the metric, the extractor (its settings and a digest of its
+        weights) and, when given, a fingerprint of the real images."""
+        return {"metric": self.kind, "extractor": self._extractor().fingerprint(), "data": data}
 
-    def save_reference(self, path: str | os.PathLike) -> None:
-        """Write the real statistics accumulated so far (all ranks take part in the sync; rank 0 writes)."""
+    def synced_reference(self) -> dict[str, Tensor]:
+        """The real statistics accumulated so far over all ranks (every rank must call it)."""
         with self.sync_context(should_unsync=True):
-            reference = self._reference_from_states()
-        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
-            atomic_save({**self._tag(), "reference": {k: v.cpu() for k, v in reference.items()}}, path)
+            return {k: v.clone() for k, v in self._reference_from_states().items()}
+
+    def save_reference(self, path: str | os.PathLike, data: Any = None) -> None:
+        """Write the real statistics accumulated so far (all ranks take part in the sync; rank 0 writes)."""
+        write_reference(path, self.reference_tag(data), self.synced_reference())
 
     def load_reference(self, path: str | os.PathLike) -> None:
         """Use the reference statistics in ``path`` instead of real images; ``update(..., real=True)`` is then an error.
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: the file was made by another metric, extractor or feature size.
+            ValueError: the file was made by another metric, extractor (or weights) or feature size.
         """
         path = Path(path)
         if not path.is_file():
@@ -76,25 +104,38 @@ class _ReferenceCache:
                 "save_reference() after updating the metric with real images."
             )
         saved = torch.load(path, map_location="cpu", weights_only=True)
-        tag = {k: saved.get(k) for k in self._tag()}
-        if tag != self._tag():
+        tag = self.reference_tag(saved.get("data"))
+        if {k: saved.get(k) for k in tag} != tag:
             raise ValueError(
-                f"Reference statistics in {str(path)!r} were made for {tag}, but this metric is "
-                f"{self._tag()}. Delete the file to recompute it with the current extractor."
+                f"Reference statistics in {str(path)!r} were made by {saved.get('metric')} with "
+                f"{saved.get('extractor')}, but this metric is {tag['metric']} with {tag['extractor']}. Delete the "
+                "file to recompute it with the current extractor."
             )
-        self.reference = {k: v.to(self.device) for k, v in saved["reference"].items()}
+        self.set_reference(saved["reference"])
+
+    def set_reference(self, reference: Mapping[str, Tensor]) -> None:
+        self.reference = {k: v.to(self.device) for k, v in reference.items()}
 
     def _check_real_update(self, real: bool) -> None:
         if real and self.reference is not None:
             raise RuntimeError("Reference statistics are loaded: update with generated images only (real=False).")
 
 
-class FrechetDistance(_ReferenceCache, FrechetInceptionDistance):
+def write_reference(path: str | os.PathLike, tag: dict[str, Any], reference: Mapping[str, Tensor]) -> None:
+    """Rank 0 writes ``tag`` and the reference tensors to ``path`` atomically."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_save({**tag, "reference": {k: v.cpu() for k, v in reference.items()}}, path)
+
+
+class FrechetDistance(_ReferenceCache, Metric):
     r"""Fréchet distance between Gaussians fitted to features of real and generated images.
 
-    ``FrechetDistance(DinoV2Features(...))`` is FD-DINOv2; ``FrechetDistance(InceptionFeatures(...))`` is FID.
-    torchmetrics' ``FrechetInceptionDistance`` accumulates :math:`\sum x`, :math:`\sum xx^\top` and counts in float64
-    (``dist_reduce_fx="sum"``); :func:`~lightning_muon.metrics.functional.frechet_distance` computes the distance.
+    ``FrechetDistance(DinoV2Features(...))`` is FD-DINOv2; ``FrechetDistance(InceptionFeatures(...))`` is FID and
+    ``FrechetDistance(InceptionFeatures(..., layer="spatial"))`` is sFID. States are :math:`\sum x`,
+    :math:`\sum xx^\top` and counts in float64 (``dist_reduce_fx="sum"``, so empty ranks add zeros);
+    :func:`~lightning_muon.metrics.functional.frechet_distance` computes the distance. Fewer samples than feature
+    dimensions give a singular covariance and a biased distance: a warning says so.
 
     Args:
         extractor: a :class:`~lightning_muon.metrics.features.FeatureExtractor`.
@@ -103,34 +144,88 @@ class FrechetDistance(_ReferenceCache, FrechetInceptionDistance):
 
     kind = "frechet"
     higher_is_better = False
+    full_state_update = False
 
     def __init__(self, extractor: FeatureExtractor, reset_real_features: bool = True, **kwargs: Any) -> None:
-        super().__init__(feature=extractor, reset_real_features=reset_real_features, **kwargs)
-        self.reference: dict[str, Tensor] | None = None
+        super().__init__(**kwargs)
+        self.extractor = extractor
+        self.reset_real_features = reset_real_features
+        self.reference = None
+        d = int(extractor.num_features)
+        for side in ("real", "fake"):
+            self.add_state(f"{side}_sum", torch.zeros(d, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_state(f"{side}_outer_sum", torch.zeros(d, d, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_state(f"{side}_n", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
 
     def _extractor(self) -> FeatureExtractor:
-        return self.inception
+        return self.extractor
 
-    def update(self, imgs: Tensor, real: bool) -> None:
+    def update(self, images: Tensor, real: bool) -> None:
         self._check_real_update(real)
-        super().update(imgs, real)
+        self.update_features(self.extractor(images), real)
+
+    def update_features(self, features: Tensor, real: bool) -> None:
+        """Add precomputed extractor features ``(B, d)``."""
+        side = "real" if real else "fake"
+        x = features.double()
+        setattr(self, f"{side}_sum", getattr(self, f"{side}_sum") + x.sum(0))
+        setattr(self, f"{side}_outer_sum", getattr(self, f"{side}_outer_sum") + x.T @ x)
+        setattr(self, f"{side}_n", getattr(self, f"{side}_n") + len(x))
+
+    def reset(self) -> None:
+        kept = (self.real_sum, self.real_outer_sum, self.real_n)
+        super().reset()
+        if not self.reset_real_features:
+            self.real_sum, self.real_outer_sum, self.real_n = kept
 
     def _reference_from_states(self) -> dict[str, Tensor]:
-        mu, sigma = gaussian_from_sums(
-            self.real_features_sum, self.real_features_cov_sum, self.real_features_num_samples
-        )
-        return {"mu": mu, "sigma": sigma, "n": self.real_features_num_samples.clone()}
+        mu, sigma = gaussian_from_sums(self.real_sum, self.real_outer_sum, self.real_n)
+        return {"mu": mu, "sigma": sigma, "n": self.real_n.clone()}
+
+    def load_adm_reference(self, path: str | os.PathLike) -> None:
+        """Use a reference batch of ADM's evaluator (``VIRTUAL_imagenet256_labeled.npz``; guided-diffusion): its
+        ``mu``/``sigma`` (pool3), or ``mu_s``/``sigma_s`` with ``layer="spatial"`` (sFID). Read with
+        ``allow_pickle=False``. Those statistics come from the TF graph that torch-fidelity's InceptionV3 ports, so
+        compare FID-50K against them only with :class:`InceptionFeatures`."""
+        import numpy as np
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"ADM reference batch {str(path)!r} does not exist.")
+        keys = ("mu_s", "sigma_s") if getattr(self.extractor, "layer", None) == "spatial" else ("mu", "sigma")
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [k for k in keys if k not in npz.files]
+            if missing:
+                raise ValueError(
+                    f"{str(path)!r} has no {missing} (it holds {npz.files}); is it an ADM reference batch?"
+                )
+            mu, sigma = (torch.from_numpy(npz[k]).double() for k in keys)
+        d = int(self.extractor.num_features)
+        if mu.shape != (d,) or sigma.shape != (d, d):
+            raise ValueError(f"{str(path)!r} holds {tuple(mu.shape)} statistics; this metric's features are {d}-d.")
+        self.set_reference({"mu": mu, "sigma": sigma, "n": torch.tensor(-1)})
 
     def compute(self) -> Tensor:
         real = self.reference or self._reference_from_states()
-        mu, sigma = gaussian_from_sums(
-            self.fake_features_sum, self.fake_features_cov_sum, self.fake_features_num_samples
-        )
+        mu, sigma = gaussian_from_sums(self.fake_sum, self.fake_outer_sum, self.fake_n)
+        d = len(mu)
+        small = {s: n for s, n in (("real", int(real["n"])), ("generated", int(self.fake_n))) if 0 <= n < d}
+        if small:
+            warnings.warn(
+                f"Fréchet distance on {d}-d features from {small} samples: fewer samples than dimensions give a "
+                "singular covariance and a biased, sample-size-dependent value; use at least as many samples.",
+                stacklevel=2,
+            )
         return frechet_distance(real["mu"], real["sigma"], mu, sigma).float()
 
 
 class _FeatureSetMetric(_ReferenceCache, Metric):
-    """Keeps every feature vector (``dist_reduce_fx="cat"``: gathered over ranks) for the k-NN and kernel metrics."""
+    """Keeps every feature vector (``dist_reduce_fx="cat"``: gathered over ranks) for the k-NN and kernel metrics.
+
+    A rank that saw no images contributes a ``(0, d)`` tensor to the gather (torchmetrics would send a 1-D
+    placeholder that does not match the other ranks' shapes). After the gather ``compute`` runs on every rank and
+    :meth:`_shard` tells each rank which part of the O(N²) work is its own.
+    """
 
     full_state_update = False
 
@@ -138,7 +233,7 @@ class _FeatureSetMetric(_ReferenceCache, Metric):
         super().__init__(**kwargs)
         self.extractor = extractor
         self.reset_real_features = reset_real_features
-        self.reference: dict[str, Tensor] | None = None
+        self.reference = None
         self.add_state("real_features", [], dist_reduce_fx="cat")
         self.add_state("fake_features", [], dist_reduce_fx="cat")
 
@@ -147,7 +242,19 @@ class _FeatureSetMetric(_ReferenceCache, Metric):
 
     def update(self, images: Tensor, real: bool) -> None:
         self._check_real_update(real)
-        (self.real_features if real else self.fake_features).append(self.extractor(images))
+        self.update_features(self.extractor(images), real)
+
+    def update_features(self, features: Tensor, real: bool) -> None:
+        """Add precomputed extractor features ``(B, d)``."""
+        (self.real_features if real else self.fake_features).append(features)
+
+    def _sync_dist(self, dist_sync_fn: Callable = None, process_group: Any = None) -> None:
+        d = int(self.extractor.num_features)
+        for name in ("real_features", "fake_features"):
+            if isinstance(getattr(self, name), list) and not getattr(self, name):
+                setattr(self, name, [torch.zeros((0, d), device=self.device)])
+        kwargs = {"dist_sync_fn": dist_sync_fn} if dist_sync_fn is not None else {}
+        super()._sync_dist(process_group=process_group, **kwargs)
 
     def reset(self) -> None:
         real = self.real_features
@@ -156,23 +263,39 @@ class _FeatureSetMetric(_ReferenceCache, Metric):
             self.real_features = real
 
     def _reference_from_states(self) -> dict[str, Tensor]:
-        return {"features": _cat(self.real_features, self.extractor.num_features)}
+        return {"features": _cat(self.real_features, self.extractor.num_features, self.device)}
 
     def _features(self) -> tuple[Tensor, Tensor]:
         real = (self.reference or self._reference_from_states())["features"]
-        return real, _cat(self.fake_features, self.extractor.num_features)
+        return real, _cat(self.fake_features, self.extractor.num_features, self.device)
+
+    def _shard(self) -> tuple[int, int]:
+        """``(rank, world)`` when the features were gathered over ranks (each computes its share), else ``(0, 1)``."""
+        if self._is_synced and _distributed():
+            group = self.process_group
+            return dist.get_rank(group), dist.get_world_size(group)
+        return 0, 1
+
+    def _sum(self, t: Tensor) -> Tensor:
+        """``t`` summed over the ranks that shared the work."""
+        if self._shard()[1] > 1:
+            dist.all_reduce(t, group=self.process_group)
+        return t
 
 
-def _cat(features: list[Tensor] | Tensor, num_features: int) -> Tensor:
+def _cat(features: list[Tensor] | Tensor, num_features: int, device: torch.device) -> Tensor:
     if isinstance(features, Tensor):
-        return features
-    return dim_zero_cat(features) if features else torch.zeros((0, num_features))
+        return features.reshape(-1, num_features)
+    return (
+        dim_zero_cat(features).reshape(-1, num_features) if features else torch.zeros((0, num_features), device=device)
+    )
 
 
 class PrecisionRecallDensityCoverage(_FeatureSetMetric):
     """Precision, recall, density and coverage (Naeem et al. 2020) on extractor features, k-NN with ``k``.
 
-    ``compute()`` returns ``{"precision", "recall", "density", "coverage"}``.
+    ``compute()`` returns ``{"precision", "recall", "density", "coverage"}``. Under DDP the k-NN blocks and the
+    real rows are split across ranks: one all-gather of k-NN candidates and one all-reduce of counts.
     """
 
     kind = "prdc"
@@ -184,28 +307,120 @@ class PrecisionRecallDensityCoverage(_FeatureSetMetric):
             raise ValueError(f"k must be >= 1, got {k}.")
         self.k, self.chunk_size = k, chunk_size
 
+    def _radii(self, x: Tensor, shard: tuple[int, int]) -> Tensor:
+        candidates = knn_candidates(x, self.k, self.chunk_size, shard)
+        if shard[1] > 1:
+            parts = [torch.empty_like(candidates) for _ in range(shard[1])]
+            dist.all_gather(parts, candidates, group=self.process_group)
+            candidates = torch.cat(parts, 1)
+        return merge_knn(candidates, self.k)
+
     def compute(self) -> dict[str, Tensor]:
         real, fake = self._features()
-        return {name: v.float() for name, v in prdc(real, fake, self.k, self.chunk_size).items()}
+        check_prdc_inputs(real, fake, self.k)
+        shard = self._shard()
+        real_radii, fake_radii = self._radii(real, shard), self._radii(fake, shard)
+        rank, world = shard
+        rows = range(rank * len(real) // world, (rank + 1) * len(real) // world)
+        counts = self._sum(prdc_counts(real, fake, real_radii, fake_radii, self.chunk_size, rows))
+        return {name: v.float() for name, v in prdc_from_counts(counts, len(real), len(fake), self.k).items()}
 
 
 class MaximumMeanDiscrepancy(_FeatureSetMetric):
-    """RBF-kernel MMD between real and generated features; with :class:`ClipFeatures` and the defaults this is CMMD."""
+    """RBF-kernel MMD between real and generated features; with :class:`ClipFeatures` and the defaults this is CMMD.
+    Under DDP each rank sums the kernel over its share of row blocks; one all-reduce of three sums."""
 
     kind = "mmd"
     higher_is_better = False
 
-    def __init__(self, extractor: FeatureExtractor, sigma: float = 10.0, scale: float = 1000.0, **kwargs: Any) -> None:
+    def __init__(
+        self, extractor: FeatureExtractor, sigma: float = 10.0, scale: float = 1000.0, chunk_size: int = 4096, **kwargs
+    ) -> None:
         super().__init__(extractor, **kwargs)
-        self.sigma, self.scale = sigma, scale
+        self.sigma, self.scale, self.chunk_size = sigma, scale, chunk_size
 
     def compute(self) -> Tensor:
         real, fake = self._features()
-        return mmd(real, fake, self.sigma, self.scale).float()
+        check_mmd_inputs(real, fake)
+        sums = self._sum(mmd_kernel_sums(real, fake, self.sigma, self.chunk_size, self._shard()))
+        return mmd_from_sums(sums, len(real), len(fake), self.scale).float()
+
+
+class KernelInceptionDistance(_FeatureSetMetric):
+    """KID (Bińkowski et al. 2018) as torch-fidelity computes it: the unbiased polynomial-kernel MMD² on
+    ``subsets`` random subsets of ``subset_size`` real and generated features (``numpy.random.RandomState(seed)``,
+    torch-fidelity's draw order), mean and std over subsets. Under DDP the subsets are split across ranks.
+
+    ``compute()`` returns ``{"kid": mean, "kid_std": std}``.
+    """
+
+    kind = "kid"
+    higher_is_better = False
+
+    def __init__(
+        self,
+        extractor: FeatureExtractor,
+        subsets: int = 100,
+        subset_size: int = 1000,
+        degree: int = 3,
+        gamma: float | None = None,
+        coef0: float = 1.0,
+        seed: int = 2020,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(extractor, **kwargs)
+        if subsets < 1 or subset_size < 2:
+            raise ValueError(f"KID needs subsets >= 1 and subset_size >= 2, got {subsets} and {subset_size}.")
+        self.subsets, self.subset_size, self.seed = subsets, subset_size, seed
+        self.degree, self.gamma, self.coef0 = degree, gamma, coef0
+
+    def compute(self) -> dict[str, Tensor]:
+        real, fake = self._features()
+        draws = kid_subsets(len(real), len(fake), self.subsets, self.subset_size, self.seed)
+        rank, world = self._shard()
+        values = torch.zeros(self.subsets, dtype=torch.float64, device=real.device)
+        for i in range(rank, self.subsets, world):
+            a, b = draws[i]
+            values[i] = polynomial_mmd2(
+                real[a.to(real.device)], fake[b.to(fake.device)], self.degree, self.gamma, self.coef0
+            )
+        values = self._sum(values)
+        return {"kid": values.mean().float(), "kid_std": values.std(unbiased=False).float()}
+
+
+class InceptionScore(Metric):
+    """Inception Score of generated images as torch-fidelity computes it (``splits`` splits of the shuffled
+    ``InceptionFeatures(..., layer="logits")``); needs no real images. ``compute()`` returns
+    ``{"is": mean, "is_std": std}``."""
+
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, extractor: FeatureExtractor, splits: int = 10, seed: int | None = 2020, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extractor, self.splits, self.seed = extractor, splits, seed
+        self.add_state("logits", [], dist_reduce_fx="cat")
+
+    def update(self, images: Tensor, real: bool = False) -> None:
+        if real:
+            raise ValueError("The Inception Score takes generated images only (real=False).")
+        self.logits.append(self.extractor(images))
+
+    def _sync_dist(self, dist_sync_fn: Callable = None, process_group: Any = None) -> None:
+        if isinstance(self.logits, list) and not self.logits:
+            self.logits = [torch.zeros((0, int(self.extractor.num_features)), device=self.device)]
+        kwargs = {"dist_sync_fn": dist_sync_fn} if dist_sync_fn is not None else {}
+        super()._sync_dist(process_group=process_group, **kwargs)
+
+    def compute(self) -> dict[str, Tensor]:
+        mean, std = inception_score(_cat(self.logits, self.extractor.num_features, self.device), self.splits, self.seed)
+        return {"is": mean.float(), "is_std": std.float()}
 
 
 class HPSv2Score(Metric):
-    """Human Preference Score v2.1: mean cosine similarity of open_clip image and prompt embeddings.
+    """Human Preference Score v2.1: mean cosine similarity of open_clip image and prompt embeddings, with the
+    ``hpsv2`` package's scoring recipe: ``ToTensor``, its letterbox ``ResizeMaxSize`` (the longer side bicubically
+    (antialiased) to 224, the shorter padded with black, centered), OpenAI mean/std, ``ViT-H-14`` (GELU).
 
     Args:
         weights: the HPS v2.1 checkpoint (``HPS_v2.1_compressed.pt``), a local file.
@@ -222,7 +437,7 @@ class HPSv2Score(Metric):
         super().__init__(**kwargs)
         import open_clip
 
-        self.model = load_open_clip(model_name, weights)
+        self.model = load_open_clip(model_name, weights, quick_gelu=False)
         self.tokenizer = open_clip.get_tokenizer(open_clip_model_name(model_name))
         self.image_size = clip_image_size(self.model)
         self.mean, self.std = clip_mean_std(self.model)
@@ -234,13 +449,15 @@ class HPSv2Score(Metric):
         """Per-pair scores ``(B,)``."""
         if len(prompts) != len(images):
             raise ValueError(f"Got {len(images)} images but {len(prompts)} prompts; pass one prompt per image.")
-        out = []
+        check_images(images)
+        out = [torch.zeros(0, device=self.device)]
         with torch.no_grad():
             for start in range(0, len(images), self.batch_size):
-                x = images[start : start + self.batch_size].to(self.device)
-                x = resize_normalize(to_unit_float(x), self.image_size, self.mean, self.std)
+                x = letterbox(to_unit_float(images[start : start + self.batch_size].to(self.device)), self.image_size)
                 tokens = self.tokenizer(list(prompts[start : start + self.batch_size])).to(self.device)
-                image_emb = torch.nn.functional.normalize(self.model.encode_image(x).float(), dim=-1)
+                image_emb = torch.nn.functional.normalize(
+                    self.model.encode_image(normalize(x, self.mean, self.std)).float(), dim=-1
+                )
                 text_emb = torch.nn.functional.normalize(self.model.encode_text(tokens).float(), dim=-1)
                 out.append((image_emb * text_emb).sum(-1))
         return torch.cat(out)
@@ -256,12 +473,33 @@ class HPSv2Score(Metric):
         return (self.score_sum / self.count).float()
 
 
+def letterbox(x: Tensor, size: int) -> Tensor:
+    """hpsv2's ``ResizeMaxSize`` on float images ``(B, 3, H, W)``: scale the longer side to ``size`` (bicubic,
+    antialiased; sides rounded), pad the shorter one with zeros (``pad // 2`` before); unchanged at ``size``."""
+    from torchvision.transforms.functional import InterpolationMode, pad, resize
+
+    h, w = x.shape[-2:]
+    scale = size / max(h, w)
+    if scale == 1.0:
+        return x
+    nh, nw = round(h * scale), round(w * scale)
+    x = resize(x, [nh, nw], InterpolationMode.BICUBIC, antialias=True)
+    ph, pw = size - nh, size - nw
+    return pad(x, [pw // 2, ph // 2, pw - pw // 2, ph - ph // 2], fill=0)
+
+
 def update_with_images(
-    metric: Metric, batches: Iterable[Tensor], real: bool, progress: bool = True, desc: str | None = None
+    metric: Metric | Mapping[str, Metric],
+    batches: Iterable[Tensor],
+    real: bool,
+    progress: bool = True,
+    desc: str | None = None,
 ) -> int:
-    """Feed every image batch to ``metric.update(images, real=real)`` under a tqdm bar; the number of images."""
+    """Feed every image batch to ``metric.update(images, real=real)`` (or to each of several metrics, which then
+    share one extractor pass per batch) under a tqdm bar; the number of images."""
     from tqdm.auto import tqdm
 
+    metrics = list(metric.values()) if isinstance(metric, Mapping) else [metric]
     count = 0
     total = len(batches) if hasattr(batches, "__len__") else None
     bar = tqdm(
@@ -273,9 +511,63 @@ def update_with_images(
         leave=False,
     )
     for images in bar:
-        metric.update(images, real=real)
+        for m in metrics:
+            m.update(images, real=real)
         count += len(images)
     return count
+
+
+def _broadcast(obj: Any) -> Any:
+    """``obj`` of rank 0 on every rank (itself outside DDP)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _read_reference(path: Path, tag: dict[str, Any]) -> dict[str, Tensor] | None:
+    """The reference in ``path`` if it was made with exactly ``tag``, else None (missing, stale or unreadable)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a damaged cache is rebuilt like a stale one
+        return None
+    return saved["reference"] if {k: saved.get(k) for k in tag} == tag else None
+
+
+def ensure_references(
+    metrics: Mapping[str, _ReferenceCache],
+    paths: Mapping[str, str | os.PathLike],
+    real_batches: Callable[[], Iterable[Tensor]],
+    data: Any = None,
+    progress: bool = True,
+) -> None:
+    """Give every metric its reference statistics: from its cache file when that was made with the same metric,
+    extractor (settings and weights) and real images (``data``, a fingerprint), else from ``real_batches()``
+    (one pass, extractor runs shared between metrics) and then cached; a stale cache is rebuilt, never reused.
+
+    Under DDP every rank must call this with its own shard of the real images. Rank 0 alone reads the cache files
+    and broadcasts what it found, so ranks whose disks disagree (node-local caches, NFS lag) cannot take different
+    paths; recomputed statistics are synced over ranks and rank 0 writes them.
+    """
+    tags = {name: m.reference_tag(data) for name, m in metrics.items()}
+    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    cached = {name: _read_reference(Path(paths[name]), tags[name]) if rank0 else None for name in metrics}
+    cached = _broadcast(cached)
+    missing = {name: m for name, m in metrics.items() if cached[name] is None}
+    if missing:
+        for m in missing.values():
+            m.reference = None
+            m.reset()
+        update_with_images(missing, real_batches(), real=True, progress=progress, desc="reference")
+        for name, m in missing.items():
+            cached[name] = m.synced_reference()
+            write_reference(paths[name], tags[name], cached[name])
+    for name, m in metrics.items():
+        m.set_reference(cached[name])
+        m.reset()  # drop the per-rank real states; the reference replaces them
 
 
 def ensure_reference(
@@ -283,16 +575,7 @@ def ensure_reference(
     path: str | os.PathLike,
     real_batches: Callable[[], Iterable[Tensor]],
     progress: bool = True,
+    data: Any = None,
 ) -> None:
-    """Load the reference statistics cached at ``path``, or compute them from ``real_batches()`` once and save them.
-
-    Under DDP every rank must call this; each passes its own shard of the real images and rank 0 writes the file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        update_with_images(metric, real_batches(), real=True, progress=progress, desc=f"reference {metric.kind}")
-        metric.save_reference(path)
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # the file exists for every rank before anyone loads it
-    metric.load_reference(path)
-    metric.reset()  # drop the per-rank real states; the loaded reference replaces them
+    """:func:`ensure_references` for one metric."""
+    ensure_references({"metric": metric}, {"metric": path}, real_batches, data, progress)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["IMAGE_SUFFIXES", "FolderImages", "ImageFolder", "folder_images"]
+__all__ = ["IMAGE_SUFFIXES", "FolderImages", "ImageFolder", "folder_images", "image_set_fingerprint"]
 
 log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
@@ -93,6 +95,30 @@ class FolderImages(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return ((self.folder[i]["images"] + 1) * 127.5).round().to(torch.uint8)
+
+    def fingerprint(self) -> str:
+        """A digest of the folder's file names, sizes and modification times and the resolution: changes whenever
+        an image is added, removed, replaced or resized, without decoding any."""
+        digest = hashlib.blake2b(f"{self.folder.root.resolve()}:{self.folder.size}".encode(), digest_size=16)
+        for f in self.folder.files:
+            st = f.stat()
+            digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        return digest.hexdigest()
+
+
+def image_set_fingerprint(images: Any) -> str:
+    """A digest that changes whenever the reference images do: the set's own ``fingerprint()`` if it has one
+    (:class:`FolderImages`: file names, sizes, mtimes), else a hash of the pixels (a tensor, or every item of a
+    dataset, decoded once: no extractor runs)."""
+    if hasattr(images, "fingerprint"):
+        return images.fingerprint()
+    digest = hashlib.blake2b(digest_size=16)
+    items = [images] if isinstance(images, torch.Tensor) else (images[i] for i in range(len(images)))
+    for x in items:
+        x = x.detach().cpu().contiguous()
+        digest.update(f"{tuple(x.shape)}:{x.dtype};".encode())
+        digest.update(x.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def folder_images(root: str | os.PathLike, size: int) -> FolderImages:

@@ -10,6 +10,8 @@ from lightning_muon.metrics.features import ClipFeatures, DigitsFeatures, DinoV2
 from lightning_muon.metrics.generation import (
     FrechetDistance,
     HPSv2Score,
+    InceptionScore,
+    KernelInceptionDistance,
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
 )
@@ -22,7 +24,10 @@ METRIC_NAMES = {
     "prdc_digits": ("precision/recall/density/coverage on digits-classifier features", None),
     "fd_dinov2": ("FD-DINOv2 (DINOv2 ViT-L/14 CLS features)", "dinov2_weights"),
     "prdc_dinov2": ("precision/recall/density/coverage on DINOv2 features, k=5", "dinov2_weights"),
-    "fid": ("FID (InceptionV3 pool3, torch-fidelity weights)", "inception_weights"),
+    "fid": ("FID (InceptionV3 pool3, torch-fidelity weights and resize)", "inception_weights"),
+    "kid": ("KID (InceptionV3 pool3, torch-fidelity's 100 subsets of 1000)", "inception_weights"),
+    "is": ("Inception Score (InceptionV3 logits, 10 splits; generated images only)", "inception_weights"),
+    "sfid": ("sFID (ADM's spatial InceptionV3 features, mixed_6/conv[:7])", "inception_weights"),
     "cmmd": ("CMMD: RBF MMD on CLIP ViT-L/14@336 embeddings", "clip_weights"),
     "hpsv2": ("HPSv2.1 image-prompt score", "hps_weights"),
 }
@@ -36,11 +41,15 @@ def build_metrics(
     hps_weights: str | None = None,
     clip_model: str = "ViT-L-14-336",
     hps_model: str = "ViT-H-14",
+    clip_quick_gelu: bool = True,
+    fid_resize: str = "tf1",
 ) -> dict[str, Metric]:
-    """Construct the named metrics (extractors shared where they are the same network).
+    """Construct the named metrics; extractors are shared where they are the same network (one pass per batch
+    feeds FD and PRDC on DINOv2, or FID, KID, IS and sFID on one InceptionV3).
 
     ``clip_model`` / ``hps_model`` are the open_clip architectures of ``clip_weights`` / ``hps_weights`` (a name, or
-    a model-config JSON path for a custom architecture).
+    a model-config JSON path for a custom architecture); ``clip_quick_gelu`` is True for OpenAI's CLIP weights
+    (CMMD's). ``fid_resize`` is ``"tf1"`` (torch-fidelity) or ``"clean"`` (clean-fid's PIL bicubic).
 
     Raises:
         ValueError: an unknown name, or a name whose weights argument is missing.
@@ -65,10 +74,13 @@ def build_metrics(
             cache[kind] = {
                 "digits": lambda: DigitsFeatures(),
                 "dinov2": lambda: DinoV2Features(dinov2_weights),
-                "inception": lambda: InceptionFeatures(inception_weights),
-                "clip": lambda: ClipFeatures(clip_weights, clip_model),
+                "inception": lambda: InceptionFeatures(inception_weights, resize=fid_resize),
+                "clip": lambda: ClipFeatures(clip_weights, clip_model, quick_gelu=clip_quick_gelu),
             }[kind]()
         return cache[kind]
+
+    def inception(layer: str) -> InceptionFeatures:
+        return extractor("inception").view(layer)
 
     factories = {
         "fd_digits": lambda: FrechetDistance(extractor("digits")),
@@ -76,6 +88,9 @@ def build_metrics(
         "fd_dinov2": lambda: FrechetDistance(extractor("dinov2")),
         "prdc_dinov2": lambda: PrecisionRecallDensityCoverage(extractor("dinov2")),
         "fid": lambda: FrechetDistance(extractor("inception")),
+        "kid": lambda: KernelInceptionDistance(extractor("inception")),
+        "is": lambda: InceptionScore(inception("logits")),
+        "sfid": lambda: FrechetDistance(inception("spatial")),
         "cmmd": lambda: MaximumMeanDiscrepancy(extractor("clip")),
         "hpsv2": lambda: HPSv2Score(hps_weights, hps_model),
     }

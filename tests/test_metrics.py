@@ -121,7 +121,7 @@ def test_reference_from_another_metric_or_missing_file_is_an_error(classifier_pa
     metric.update(digits_images(50), real=True)
     metric.save_reference(tmp_path / "fd.pt")
     other = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
-    with pytest.raises(ValueError, match="were made for"):
+    with pytest.raises(ValueError, match="were made by"):
         other.load_reference(tmp_path / "fd.pt")
     with pytest.raises(FileNotFoundError, match="save_reference"):
         other.load_reference(tmp_path / "missing.pt")
