@@ -370,8 +370,8 @@ def read_open_clip_state(path: Path) -> dict[str, Tensor]:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:
             raise ValueError(
-                f"Cannot read open_clip weights {str(path)!r}: {err}. Pass a .safetensors file, a state dict saved "
-                "with torch.save, or OpenAI's TorchScript .pt release."
+                f"Cannot read open_clip weights {str(path)!r} ({type(err).__name__}). Pass a .safetensors file, a "
+                "state dict saved with torch.save, or OpenAI's TorchScript .pt release."
             ) from err
         state = state.get("state_dict", state)
     return {k.removeprefix("module."): v for k, v in state.items()}
@@ -390,8 +390,12 @@ def load_open_clip(model_name: str, weights: str | os.PathLike, quick_gelu: bool
             "file (this library never downloads)."
         )
     model = open_clip.create_model(open_clip_model_name(model_name), pretrained=None, force_quick_gelu=quick_gelu)
+    state = read_open_clip_state(path)
+    non_persistent = {name for name, _ in model.named_buffers()} - set(
+        model.state_dict()
+    )  # a TorchScript file has them
     try:
-        model.load_state_dict(read_open_clip_state(path))
+        model.load_state_dict({k: v for k, v in state.items() if k not in non_persistent})
     except RuntimeError as err:
         raise ValueError(f"{str(path)!r} does not hold {model_name} weights: {err}") from err
     return model.eval()

@@ -218,24 +218,23 @@ def mmd(x: Tensor, y: Tensor, sigma: float = 10.0, scale: float = 1000.0, chunk_
     return mmd_from_sums(mmd_kernel_sums(x, y, sigma, chunk_size), len(x), len(y), scale)
 
 
-def kid_subsets(n: int, m: int, subsets: int, subset_size: int, seed: int) -> list[tuple[Tensor, Tensor]]:
-    """torch-fidelity's KID subsets: ``numpy.random.RandomState(seed)``, per subset ``choice(n, size,
-    replace=False)`` for the first set then ``choice(m, ...)`` for the second."""
+def kid_subsets(n_fake: int, n_real: int, subsets: int, subset_size: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    """torch-fidelity's KID subsets as ``(fake_indices, real_indices)``: ``numpy.random.RandomState(seed)``, per
+    subset ``choice(n_fake, size, replace=False)`` for the generated set (torch-fidelity's ``input1``) and then
+    ``choice(n_real, ...)`` for the real one (``input2``)."""
     import numpy as np
 
-    if n < subset_size or m < subset_size:
+    if n_fake < subset_size or n_real < subset_size:
         raise ValueError(
-            f"KID with subset_size={subset_size} needs at least that many real and generated samples, got {n} and "
-            f"{m}; lower subset_size or add samples."
+            f"KID with subset_size={subset_size} needs at least that many real and generated samples, got {n_real} "
+            f"real and {n_fake} generated; lower subset_size or add samples."
         )
     rng = np.random.RandomState(seed)
-    return [
-        (
-            torch.from_numpy(rng.choice(n, subset_size, replace=False)),
-            torch.from_numpy(rng.choice(m, subset_size, replace=False)),
-        )
-        for _ in range(subsets)
-    ]
+    draws = []
+    for _ in range(subsets):
+        fake = torch.from_numpy(rng.choice(n_fake, subset_size, replace=False))
+        draws.append((fake, torch.from_numpy(rng.choice(n_real, subset_size, replace=False))))
+    return draws
 
 
 def polynomial_mmd2(x: Tensor, y: Tensor, degree: int = 3, gamma: float | None = None, coef0: float = 1.0) -> Tensor:

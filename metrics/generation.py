@@ -376,14 +376,12 @@ class KernelInceptionDistance(_FeatureSetMetric):
 
     def compute(self) -> dict[str, Tensor]:
         real, fake = self._features()
-        draws = kid_subsets(len(real), len(fake), self.subsets, self.subset_size, self.seed)
+        draws = kid_subsets(len(fake), len(real), self.subsets, self.subset_size, self.seed)
         rank, world = self._shard()
         values = torch.zeros(self.subsets, dtype=torch.float64, device=real.device)
         for i in range(rank, self.subsets, world):
-            a, b = draws[i]
-            values[i] = polynomial_mmd2(
-                real[a.to(real.device)], fake[b.to(fake.device)], self.degree, self.gamma, self.coef0
-            )
+            f, r = (idx.to(real.device) for idx in draws[i])
+            values[i] = polynomial_mmd2(fake[f], real[r], self.degree, self.gamma, self.coef0)
         values = self._sum(values)
         return {"kid": values.mean().float(), "kid_std": values.std(unbiased=False).float()}
 
