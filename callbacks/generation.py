@@ -86,6 +86,19 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+class IndexedImages(torch.utils.data.Dataset):
+    """Rank ``rank``'s share (samples i ≡ rank mod W) of a set of images, as ``(image, global index)`` pairs."""
+
+    def __init__(self, share: Any, rank: int, world: int) -> None:
+        self.share, self.rank, self.world = share, rank, world
+
+    def __len__(self) -> int:
+        return len(self.share)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, int]:
+        return self.share[i], self.rank + i * self.world
+
+
 def prepare_references(
     metrics: dict[str, Any], real_images: Any, cache_dir: Path, data_name: str, batch_size: int
 ) -> None:
@@ -105,7 +118,7 @@ def prepare_references(
     rank, world = _world()
     images = real_images()
     data = {"name": data_name, "count": len(images), "fingerprint": image_set_fingerprint(images)}
-    share = Subset(images, range(rank, len(images), world))
+    share = IndexedImages(Subset(images, range(rank, len(images), world)), rank, world)
     paths = {name: Path(cache_dir) / f"{name}_{data_name}_{len(images)}.pt" for name in pending}
     ensure_references(pending, paths, lambda: DataLoader(share, batch_size=batch_size), data, progress=False)
 
@@ -153,8 +166,8 @@ def score_generation(
         for metric in metrics.values():
             if isinstance(metric, HPSv2Score):
                 metric.update(images, [c for c, k in zip(conditions, keep.tolist()) if k])
-            else:
-                metric.update(images, real=False)
+            else:  # global sample indices: order-dependent metrics (KID, IS) see the single-process order
+                metric.update(images, real=False, index=indices[idx][keep])
         if sum(len(g) for g in grid) < grid_size:
             grid.append(images.cpu())
     values: dict[str, float] = {}

@@ -160,7 +160,8 @@ class FrechetDistance(_ReferenceCache, Metric):
     def _extractor(self) -> FeatureExtractor:
         return self.extractor
 
-    def update(self, images: Tensor, real: bool) -> None:
+    def update(self, images: Tensor, real: bool, index: Tensor | Sequence[int] | None = None) -> None:
+        """Add a batch (``index`` is accepted for a uniform call; sums do not depend on the order)."""
         self._check_real_update(real)
         self.update_features(self.extractor(images), real)
 
@@ -219,55 +220,87 @@ class FrechetDistance(_ReferenceCache, Metric):
         return frechet_distance(real["mu"], real["sigma"], mu, sigma).float()
 
 
-class _FeatureSetMetric(_ReferenceCache, Metric):
-    """Keeps every feature vector (``dist_reduce_fx="cat"``: gathered over ranks) for the k-NN and kernel metrics.
+class _FeatureLists(Metric):
+    """Metric states that keep every feature vector (``dist_reduce_fx="cat"``: gathered over ranks), optionally with
+    each sample's global index so that order-dependent metrics (KID's subsets, IS's splits) see the samples in the
+    same order however they were split across ranks.
 
-    A rank that saw no images contributes a ``(0, d)`` tensor to the gather (torchmetrics would send a 1-D
-    placeholder that does not match the other ranks' shapes). After the gather ``compute`` runs on every rank and
-    :meth:`_shard` tells each rank which part of the O(N²) work is its own.
+    A rank that saw no images contributes ``(0, d)`` tensors to the gather (torchmetrics would send a 1-D
+    placeholder that does not match the other ranks' shapes).
     """
 
     full_state_update = False
+
+    def _add_feature_list(self, name: str) -> None:
+        self.add_state(f"{name}_features", [], dist_reduce_fx="cat")
+        self.add_state(f"{name}_index", [], dist_reduce_fx="cat")
+
+    def _append(self, name: str, features: Tensor, index: Tensor | Sequence[int] | None) -> None:
+        getattr(self, f"{name}_features").append(features)
+        if index is not None:
+            index = torch.as_tensor(index, dtype=torch.long, device=features.device).reshape(-1)
+            if len(index) != len(features):
+                raise ValueError(f"Got {len(features)} images but {len(index)} indices.")
+            getattr(self, f"{name}_index").append(index)
+
+    def _sync_dist(self, dist_sync_fn: Callable = None, process_group: Any = None) -> None:
+        d = int(self._extractor().num_features)
+        for attr, default in self._defaults.items():
+            if isinstance(default, list) and isinstance(getattr(self, attr), list) and not getattr(self, attr):
+                shape, dtype = ((0, d), torch.float32) if attr.endswith("_features") else ((0,), torch.long)
+                setattr(self, attr, [torch.zeros(shape, dtype=dtype, device=self.device)])
+        kwargs = {"dist_sync_fn": dist_sync_fn} if dist_sync_fn is not None else {}
+        super()._sync_dist(process_group=process_group, **kwargs)
+
+    def _ordered(self, name: str) -> Tensor:
+        """All features of ``name`` ``(N, d)``, sorted by their indices when every sample was given one."""
+        d = int(self._extractor().num_features)
+        features = _cat(getattr(self, f"{name}_features"), (-1, d), self.device)
+        index = _cat(getattr(self, f"{name}_index"), (-1,), self.device)
+        return features[index.argsort()] if len(index) == len(features) > 0 else features
+
+
+def _cat(parts: list[Tensor] | Tensor, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    if isinstance(parts, Tensor):
+        return parts.reshape(shape)
+    return dim_zero_cat(parts).reshape(shape) if parts else torch.zeros([0, *shape[1:]], device=device)
+
+
+class _FeatureSetMetric(_ReferenceCache, _FeatureLists):
+    """Real and generated feature sets for the k-NN and kernel metrics. ``compute`` runs on every rank after the
+    gather, and :meth:`_shard` tells each rank which part of the O(N²) work is its own."""
 
     def __init__(self, extractor: FeatureExtractor, reset_real_features: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.extractor = extractor
         self.reset_real_features = reset_real_features
         self.reference = None
-        self.add_state("real_features", [], dist_reduce_fx="cat")
-        self.add_state("fake_features", [], dist_reduce_fx="cat")
+        self._add_feature_list("real")
+        self._add_feature_list("fake")
 
     def _extractor(self) -> FeatureExtractor:
         return self.extractor
 
-    def update(self, images: Tensor, real: bool) -> None:
+    def update(self, images: Tensor, real: bool, index: Tensor | Sequence[int] | None = None) -> None:
+        """Add a batch; ``index`` (optional) numbers the samples globally, so the metric sees them in that order."""
         self._check_real_update(real)
-        self.update_features(self.extractor(images), real)
+        self.update_features(self.extractor(images), real, index)
 
-    def update_features(self, features: Tensor, real: bool) -> None:
+    def update_features(self, features: Tensor, real: bool, index: Tensor | Sequence[int] | None = None) -> None:
         """Add precomputed extractor features ``(B, d)``."""
-        (self.real_features if real else self.fake_features).append(features)
-
-    def _sync_dist(self, dist_sync_fn: Callable = None, process_group: Any = None) -> None:
-        d = int(self.extractor.num_features)
-        for name in ("real_features", "fake_features"):
-            if isinstance(getattr(self, name), list) and not getattr(self, name):
-                setattr(self, name, [torch.zeros((0, d), device=self.device)])
-        kwargs = {"dist_sync_fn": dist_sync_fn} if dist_sync_fn is not None else {}
-        super()._sync_dist(process_group=process_group, **kwargs)
+        self._append("real" if real else "fake", features, index)
 
     def reset(self) -> None:
-        real = self.real_features
+        kept = (self.real_features, self.real_index)
         super().reset()
         if not self.reset_real_features:
-            self.real_features = real
+            self.real_features, self.real_index = kept
 
     def _reference_from_states(self) -> dict[str, Tensor]:
-        return {"features": _cat(self.real_features, self.extractor.num_features, self.device)}
+        return {"features": self._ordered("real")}
 
     def _features(self) -> tuple[Tensor, Tensor]:
-        real = (self.reference or self._reference_from_states())["features"]
-        return real, _cat(self.fake_features, self.extractor.num_features, self.device)
+        return (self.reference or self._reference_from_states())["features"], self._ordered("fake")
 
     def _shard(self) -> tuple[int, int]:
         """``(rank, world)`` when the features were gathered over ranks (each computes its share), else ``(0, 1)``."""
@@ -281,14 +314,6 @@ class _FeatureSetMetric(_ReferenceCache, Metric):
         if self._shard()[1] > 1:
             dist.all_reduce(t, group=self.process_group)
         return t
-
-
-def _cat(features: list[Tensor] | Tensor, num_features: int, device: torch.device) -> Tensor:
-    if isinstance(features, Tensor):
-        return features.reshape(-1, num_features)
-    return (
-        dim_zero_cat(features).reshape(-1, num_features) if features else torch.zeros((0, num_features), device=device)
-    )
 
 
 class PrecisionRecallDensityCoverage(_FeatureSetMetric):
@@ -349,7 +374,8 @@ class MaximumMeanDiscrepancy(_FeatureSetMetric):
 class KernelInceptionDistance(_FeatureSetMetric):
     """KID (Bińkowski et al. 2018) as torch-fidelity computes it: the unbiased polynomial-kernel MMD² on
     ``subsets`` random subsets of ``subset_size`` real and generated features (``numpy.random.RandomState(seed)``,
-    torch-fidelity's draw order), mean and std over subsets. Under DDP the subsets are split across ranks.
+    torch-fidelity's draw order), mean and std over subsets. Under DDP the subsets are split across ranks; pass
+    ``index=`` to ``update`` so the gathered samples are in the single-process order the draws refer to.
 
     ``compute()`` returns ``{"kid": mean, "kid_std": std}``.
     """
@@ -386,32 +412,28 @@ class KernelInceptionDistance(_FeatureSetMetric):
         return {"kid": values.mean().float(), "kid_std": values.std(unbiased=False).float()}
 
 
-class InceptionScore(Metric):
+class InceptionScore(_FeatureLists):
     """Inception Score of generated images as torch-fidelity computes it (``splits`` splits of the shuffled
     ``InceptionFeatures(..., layer="logits")``); needs no real images. ``compute()`` returns
-    ``{"is": mean, "is_std": std}``."""
+    ``{"is": mean, "is_std": std}``. Pass ``index=`` to ``update`` under DDP to get the single-process order."""
 
     higher_is_better = True
-    full_state_update = False
 
     def __init__(self, extractor: FeatureExtractor, splits: int = 10, seed: int | None = 2020, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.extractor, self.splits, self.seed = extractor, splits, seed
-        self.add_state("logits", [], dist_reduce_fx="cat")
+        self._add_feature_list("fake")
 
-    def update(self, images: Tensor, real: bool = False) -> None:
+    def _extractor(self) -> FeatureExtractor:
+        return self.extractor
+
+    def update(self, images: Tensor, real: bool = False, index: Tensor | Sequence[int] | None = None) -> None:
         if real:
             raise ValueError("The Inception Score takes generated images only (real=False).")
-        self.logits.append(self.extractor(images))
-
-    def _sync_dist(self, dist_sync_fn: Callable = None, process_group: Any = None) -> None:
-        if isinstance(self.logits, list) and not self.logits:
-            self.logits = [torch.zeros((0, int(self.extractor.num_features)), device=self.device)]
-        kwargs = {"dist_sync_fn": dist_sync_fn} if dist_sync_fn is not None else {}
-        super()._sync_dist(process_group=process_group, **kwargs)
+        self._append("fake", self.extractor(images), index)
 
     def compute(self) -> dict[str, Tensor]:
-        mean, std = inception_score(_cat(self.logits, self.extractor.num_features, self.device), self.splits, self.seed)
+        mean, std = inception_score(self._ordered("fake"), self.splits, self.seed)
         return {"is": mean.float(), "is_std": std.float()}
 
 
@@ -494,7 +516,8 @@ def update_with_images(
     desc: str | None = None,
 ) -> int:
     """Feed every image batch to ``metric.update(images, real=real)`` (or to each of several metrics, which then
-    share one extractor pass per batch) under a tqdm bar; the number of images."""
+    share one extractor pass per batch) under a tqdm bar; the number of images. A batch may be a pair
+    ``(images, index)`` with the samples' global indices (see :class:`KernelInceptionDistance`)."""
     from tqdm.auto import tqdm
 
     metrics = list(metric.values()) if isinstance(metric, Mapping) else [metric]
@@ -508,9 +531,10 @@ def update_with_images(
         disable=not progress,
         leave=False,
     )
-    for images in bar:
+    for batch in bar:
+        images, index = batch if isinstance(batch, (tuple, list)) else (batch, None)
         for m in metrics:
-            m.update(images, real=real)
+            m.update(images, real=real, index=index)
         count += len(images)
     return count
 

@@ -245,3 +245,70 @@ def image_folder(root, n: int, size: int = 20, captions: list[str] | None = None
     if captions:
         (root / "captions.jsonl").write_text("\n".join(lines))
     return root
+
+
+def all_metrics(classifier_path, clip_model=None, clip_path=None):
+    """Every metric class on cheap extractors: the digits classifier (FD, PRDC, MMD, KID, IS on its features as
+    logits) and, given a tiny CLIP, HPSv2."""
+    from lightning_muon.metrics import HPSv2Score, InceptionScore, KernelInceptionDistance
+
+    metrics = digits_metrics(classifier_path)
+    features = metrics["fd"].extractor
+    metrics["kid"] = KernelInceptionDistance(features, subsets=6, subset_size=20)
+    metrics["is"] = InceptionScore(features, splits=4)
+    if clip_path is not None:
+        metrics["hps"] = HPSv2Score(clip_path, model_name=str(clip_model), batch_size=8)
+    return metrics
+
+
+def feed_and_compute(metrics, real, fake, prompts, batch_size=16, real_index=None, fake_index=None):
+    """Update every metric of :func:`all_metrics` in batches (IS: generated only; HPS: images with prompts), with
+    the samples' global indices when given."""
+    real_index = torch.arange(len(real)) if real_index is None else real_index
+    fake_index = torch.arange(len(fake)) if fake_index is None else fake_index
+    out = {}
+    for name, metric in metrics.items():
+        for i in range(0, len(fake), batch_size):
+            if name == "hps":
+                metric.update(fake[i : i + batch_size].expand(-1, 3, -1, -1), prompts[i : i + batch_size])
+            else:
+                metric.update(fake[i : i + batch_size], real=False, index=fake_index[i : i + batch_size])
+        if name not in ("hps", "is"):
+            for i in range(0, len(real), batch_size):
+                metric.update(real[i : i + batch_size], real=True, index=real_index[i : i + batch_size])
+        value = metric.compute()
+        out.update(
+            {f"{name}/{k}": float(v) for k, v in value.items()} if isinstance(value, dict) else {name: float(value)}
+        )
+    return out
+
+
+def ddp_empty_rank_worker(rank, world_size, classifier_path, clip_model, clip_path, empty_rank, n_real, n_fake):
+    """Rank ``empty_rank`` never calls ``update``; the others share the samples round-robin."""
+    real, fake = digits_images(n_real), digits_images(n_fake, noise=0.2)
+    prompts = [("a cat", "a dog", "two birds")[i % 3] for i in range(n_fake)]
+    busy = [r for r in range(world_size) if r != empty_rank]
+    k, w = (busy.index(rank), len(busy)) if rank != empty_rank else (len(real) + len(fake), 1)  # k past the end
+    real_index, fake_index = torch.arange(len(real))[k::w], torch.arange(len(fake))[k::w]
+    real, fake, prompts = real[k::w], fake[k::w], prompts[k::w]
+    metrics = all_metrics(classifier_path, clip_model, clip_path)
+    return feed_and_compute(metrics, real, fake, prompts, real_index=real_index, fake_index=fake_index)
+
+
+def ddp_reference_cache_worker(rank, world_size, classifier_path, cache_dirs, n_real, n_fake):
+    """Each rank sees its own cache directory (node-local disks); rank 0's decides. Returns FD and PRDC values and
+    whether this rank's extractor ran on real images."""
+    from lightning_muon.metrics import ensure_references
+
+    metrics = {k: v for k, v in digits_metrics(classifier_path).items() if k in ("fd", "prdc")}
+    real, fake = digits_images(n_real), digits_images(n_fake, noise=0.2)
+    calls = []
+    extractor = metrics["fd"].extractor
+    extractor.register_forward_hook(lambda *a: calls.append(1))
+    paths = {name: f"{cache_dirs[rank]}/{name}.pt" for name in metrics}
+    ensure_references(metrics, paths, lambda: [real[rank::world_size]], data={"images": "digits", "n": n_real})
+    real_calls = len(calls)
+    for m in metrics.values():
+        m.update(fake[rank::world_size], real=False)
+    values = {name: m.compute() for name, m in metrics.items()}
+    return {"fd": float(values["fd"]), "recall": float(values["prdc"]["recall"]), "real_calls": real_calls}

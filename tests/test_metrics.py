@@ -210,3 +210,150 @@ def test_clip_features_and_hps_wiring(tmp_path):
 def test_open_clip_missing_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="Pass `weights=`"):
         HPSv2Score(tmp_path / "HPS_v2.1_compressed.pt")
+
+
+# ---------------------------------------------------------------------------------- DDP: empty ranks, shared cache
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size,empty_rank", [(2, 1), (3, 0)])
+def test_every_metric_works_with_a_rank_given_nothing(classifier_path, tmp_path, world_size, empty_rank):
+    from helpers import all_metrics, ddp_empty_rank_worker, feed_and_compute
+
+    _, clip_path = tiny_open_clip_config(tmp_path)
+    clip_model = tmp_path / "tiny-test-clip.json"
+    n_real, n_fake = 61, 47
+    prompts = [("a cat", "a dog", "two birds")[i % 3] for i in range(n_fake)]
+    single = feed_and_compute(
+        all_metrics(classifier_path, clip_model, clip_path),
+        digits_images(n_real),
+        digits_images(n_fake, noise=0.2),
+        prompts,
+    )
+    args = (classifier_path, clip_model, clip_path, empty_rank, n_real, n_fake)
+    for rank_result in run_distributed(ddp_empty_rank_worker, world_size, *args):
+        assert rank_result.keys() == single.keys()
+        for key, value in single.items():
+            assert rank_result[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.distributed
+def test_rank_zero_decides_whether_the_reference_cache_is_valid(classifier_path, tmp_path):
+    from helpers import ddp_reference_cache_worker, digits_metrics
+
+    from lightning_muon.metrics import ensure_references
+
+    n_real, n_fake = 80, 60
+    dirs = [tmp_path / f"node{r}" for r in range(3)]
+    for d in dirs:
+        d.mkdir()
+    real = digits_images(n_real)
+
+    def make_cache(data):
+        metrics = {k: v for k, v in digits_metrics(classifier_path).items() if k in ("fd", "prdc")}
+        ensure_references(metrics, {n: dirs[0] / f"{n}.pt" for n in metrics}, lambda: [real], data=data, progress=False)
+
+    make_cache({"images": "digits", "n": n_real})  # only rank 0's disk has it
+    cached = run_distributed(ddp_reference_cache_worker, 3, classifier_path, [str(d) for d in dirs], n_real, n_fake)
+    assert [r["real_calls"] for r in cached] == [0, 0, 0]  # rank 0 found it and broadcast it; nobody recomputed
+    assert len({r["fd"] for r in cached}) == 1 and not (dirs[1] / "fd.pt").exists()
+
+    make_cache({"images": "other digits", "n": n_real})  # stale: made from other images
+    rebuilt = run_distributed(ddp_reference_cache_worker, 3, classifier_path, [str(d) for d in dirs], n_real, n_fake)
+    assert all(r["real_calls"] > 0 for r in rebuilt)  # every rank took the same path: recompute its shard
+    for a, b in zip(cached, rebuilt):
+        assert a["fd"] == pytest.approx(b["fd"], rel=1e-6) and a["recall"] == b["recall"]
+    saved = torch.load(dirs[0] / "fd.pt", weights_only=True)
+    assert saved["data"] == {"images": "digits", "n": n_real}  # the stale file was replaced
+
+
+def test_stale_reference_cache_is_rebuilt_never_reused(classifier_path, tmp_path):
+    from lightning_muon.callbacks.generation import prepare_references
+    from lightning_muon.metrics.images import folder_images, image_set_fingerprint
+
+    real, fake = digits_images(100), digits_images(70, noise=0.2)
+
+    def fd(images, extractor=None):
+        metric = FrechetDistance(extractor or DigitsFeatures(classifier_path))
+        prepare_references({"fd": metric}, lambda: images, tmp_path, "digits", 32)
+        metric.update(fake, real=False)
+        return metric.compute().item()
+
+    first = fd(real)
+    changed = real.clone()
+    changed[0, 0, 0, 0] ^= 255  # one pixel of one image: same name, same count, other images
+    fresh = FrechetDistance(DigitsFeatures(classifier_path))
+    fresh.update(changed, real=True)
+    fresh.update(fake, real=False)
+    assert fd(changed) == pytest.approx(fresh.compute().item(), rel=1e-6) != first
+    # other weights of the same width: the extractor's digest differs, the cache is rebuilt
+    other = DigitsFeatures(classifier_path)
+    with torch.no_grad():
+        other.net.body[0].weight.mul_(1.5)
+    direct = FrechetDistance(other)
+    direct.update(changed, real=True)
+    direct.update(fake, real=False)
+    assert fd(changed, other) == pytest.approx(direct.compute().item(), rel=1e-6)
+    # image folders are fingerprinted by name, size and mtime, and by the resolution they are read at
+    from helpers import image_folder
+
+    root = image_folder(tmp_path / "folder", 4, size=20)
+    a, b = image_set_fingerprint(folder_images(root, 16)), image_set_fingerprint(folder_images(root, 24))
+    first_file = sorted(p for p in root.rglob("*.png"))[0]
+    first_file.write_bytes(first_file.read_bytes())  # rewritten: new mtime
+    import os
+
+    os.utime(first_file, ns=(1, 1))
+    assert len({a, b, image_set_fingerprint(folder_images(root, 16))}) == 3
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(
+    "images,match",
+    [
+        (torch.rand(2, 3, 8, 8) * 255, r"\[0, 255\]"),
+        (torch.rand(2, 3, 8, 8) * 2 - 1, r"\[-1, 1\]: pass \(x \+ 1\) / 2"),
+        (torch.full((2, 3, 8, 8), float("nan")), "NaN or inf"),
+        (torch.rand(2, 2, 8, 8), r"\(B, 1 or 3, H, W\)"),
+        (torch.rand(3, 8, 8), r"\(B, 1 or 3, H, W\)"),
+        (torch.randint(0, 255, (2, 3, 8, 8)), "uint8 or float"),
+    ],
+)
+def test_images_outside_the_accepted_ranges_are_errors(classifier_path, images, match):
+    with pytest.raises(ValueError, match=match):
+        FrechetDistance(DigitsFeatures(classifier_path)).update(images, real=True)
+
+
+def test_float_images_within_rounding_of_the_range_are_accepted(classifier_path):
+    features = DigitsFeatures(classifier_path)
+    x = digits_images(4).float() / 255
+    wiggle = (x - 5e-4).clamp_min(-5e-4)
+    torch.testing.assert_close(features(wiggle), features(wiggle.clamp(0, 1)))  # clamped, never wrapped to 255
+
+
+def test_nan_features_and_too_few_samples_for_fd(classifier_path):
+    broken = DigitsFeatures(classifier_path)
+    with torch.no_grad():
+        broken.net.body[0].weight[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN/inf features"):
+        broken(digits_images(4))
+    metric = FrechetDistance(DigitsFeatures(classifier_path))
+    metric.update(digits_images(200), real=True)
+    metric.update(digits_images(20, noise=0.2), real=False)
+    with pytest.warns(UserWarning, match="fewer samples than dimensions"):
+        metric.compute()
+    hps_like = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
+    hps_like.update(digits_images(0), real=False)  # an empty batch is a no-op, not an error
+
+
+def test_shared_extractor_runs_once_per_batch(classifier_path):
+    features = DigitsFeatures(classifier_path)
+    calls = []
+    features.net.register_forward_hook(lambda *a: calls.append(1))
+    features.net.body.register_forward_hook(lambda *a: calls.append(1))
+    fd, pr = FrechetDistance(features), PrecisionRecallDensityCoverage(features)
+    update_with_images({"fd": fd, "prdc": pr}, [digits_images(30)], real=True, progress=False)
+    assert len(calls) == 1  # body ran once for both metrics
+    batch = digits_images(30)
+    fd.update(batch, real=False)
+    batch.add_(1)  # changed in place: not the same images any more
+    pr.update(batch, real=False)
+    assert len(calls) == 3

@@ -335,9 +335,10 @@ def test_open_clip_unreadable_or_mismatched_weights(tmp_path, clip_files):
 
 # ------------------------------------------------------------------------------------------------- HPSv2.1: hpsv2
 def hpsv2_scores(model, images: torch.Tensor, prompts: list[str], size: int) -> torch.Tensor:
-    """The ``hpsv2`` package's ``score``: ``preprocess_val`` = ``image_transform(..., resize_longest_max=True)`` re-typed
-    from ``hpsv2/src/open_clip/transform.py`` (RGB, ``ToTensor``, ``ResizeMaxSize(size, fill=0)``, ``Normalize``
-    with OpenAI mean/std), then ``model(image, text)`` and the diagonal of ``image_features @ text_features.T``."""
+    """The ``hpsv2`` package's ``score``: ``preprocess_val`` = ``image_transform(..., resize_longest_max=True)``
+    re-typed from ``hpsv2/src/open_clip/transform.py`` (RGB, ``ToTensor``, ``ResizeMaxSize(size, fill=0)``,
+    ``Normalize`` with OpenAI mean/std), then ``model(image, text)`` and the diagonal of
+    ``image_features @ text_features.T``."""
     import open_clip
     import torchvision.transforms.functional as F
     from torchvision.transforms import InterpolationMode, Normalize, ToTensor
