@@ -1,19 +1,23 @@
-"""Metric formula speed and memory on CPU: frechet_distance vs scipy sqrtm, prdc vs a prdc-package-style reference.
+"""Metric formula speed and memory on CPU: frechet_distance vs scipy sqrtm, prdc vs a prdc-package-style reference,
+and the PRDC / MMD metric classes with their O(N²) work split over 2 gloo ranks vs 1 process (time and peak memory
+per rank; the same total of threads: 1 rank × T threads vs 2 ranks × T/2).
 
 The reference PRDC is the prdc package's algorithm (sklearn ``pairwise_distances`` on full matrices, NumPy
 ``argpartition`` for the k-th neighbour). Peak memory of ``prdc`` is measured in a fresh subprocess as the growth of
 the resident-set high-water mark, next to what one dense n×n float32 distance matrix would take.
 
-    python benchmarks/metrics_speed.py --n 10000 --dim 1024 --memory-n 20000
+    python benchmarks/metrics_speed.py --n 10000 --dim 1024 --memory-n 20000 --sharded-n 10000
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +74,73 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - resident) / 1024)
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
+def sharded_worker(rank: int, world: int, port: int, n: int, dim: int, threads: int, out_dir: str) -> None:
+    """Rank ``rank`` holds samples i ≡ rank (mod world) of both sets; PRDC and MMD ``compute()`` (gather + its share
+    of the distance work) timed, with the peak-RSS growth over the resident size before."""
+    import resource
+
+    import torch.distributed as dist
+
+    from lightning_muon.metrics.features import FeatureExtractor
+    from lightning_muon.metrics.generation import MaximumMeanDiscrepancy, PrecisionRecallDensityCoverage
+
+    class Precomputed(FeatureExtractor):
+        num_features = dim
+
+    warnings.filterwarnings("ignore", message=".*before the ``update``")  # states filled by update_features
+    torch.set_num_threads(threads)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(0)
+    real, fake = torch.randn(n, dim, generator=g), torch.randn(n, dim, generator=g).add_(0.1)
+    row = {}
+    for name, cls in (("prdc", PrecisionRecallDensityCoverage), ("mmd", MaximumMeanDiscrepancy)):
+        metric = cls(Precomputed())
+        metric.update_features(real[rank::world].clone(), real=True)
+        metric.update_features(fake[rank::world].clone(), real=False)
+        resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
+        if world > 1:
+            dist.barrier()
+        value, seconds = timed(metric.compute)
+        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - resident) / 1024
+        value = {k: float(v) for k, v in value.items()} if isinstance(value, dict) else float(value)
+        row[name] = {"seconds": seconds, "peak_mib": max(peak, 0.0), "value": value}
+    Path(out_dir, f"{world}_{rank}.json").write_text(json.dumps(row))
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def sharded_rows(n: int, dim: int) -> list[dict]:
+    """PRDC and MMD on 1 process with 1 and 2 threads and on 2 ranks with 1 thread each (spawned, gloo on
+    127.0.0.1): a rank per core, as a rank per GPU would be."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    rows = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for world, threads in ((1, 1), (1, 2), (2, 1)):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            mp.spawn(sharded_worker, args=(world, port, n, dim, threads, out_dir), nprocs=world)
+            ranks = [json.loads(Path(out_dir, f"{world}_{r}.json").read_text()) for r in range(world)]
+            for name in ("prdc", "mmd"):
+                rows.append(
+                    {
+                        "metric": name,
+                        "ranks": world,
+                        "threads_per_rank": threads,
+                        "seconds": max(r[name]["seconds"] for r in ranks),
+                        "peak_mib_per_rank": max(r[name]["peak_mib"] for r in ranks),
+                        "value": ranks[0][name]["value"],
+                    }
+                )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=10000, help="samples per set for the timings")
@@ -77,6 +148,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--memory-n", type=int, default=20000, help="samples per set for the memory measurement")
     parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--sharded-n", type=int, default=10000, help="samples per set for the 1-vs-2-rank metrics")
     parser.add_argument("--out", default="benchmarks/results/metrics_speed.json")
     args = parser.parse_args()
 
@@ -107,6 +179,24 @@ def main() -> None:
         f"prdc peak memory at n={args.memory_n}, d={args.dim}, chunk={args.chunk}: {mem:.0f} MiB "
         f"(one dense n x n float32 distance matrix: {dense_mb:.0f} MiB)"
     )
+    sharded = sharded_rows(args.sharded_n, args.dim)
+    base = {row["metric"]: row for row in sharded if (row["ranks"], row["threads_per_rank"]) == (1, 1)}
+    print(f"\nPRDC / MMD metric classes, n={args.sharded_n} per set, d={args.dim}: 2 gloo ranks vs 1 process")
+    print("(speed-up vs 1 process x 1 thread; compute() includes the feature all-gather)")
+    print(
+        f"| {'metric':<6} | {'ranks':>5} | {'threads/rank':>12} | {'compute s':>9} | {'speed-up':>8} | "
+        f"{'peak MiB/rank':>13} | {'same value':<10} |"
+    )
+    print(f"|{'-' * 8}|{'-' * 7}|{'-' * 14}|{'-' * 11}|{'-' * 10}|{'-' * 15}|{'-' * 12}|")
+    for row in sharded:
+        ref = base[row["metric"]]
+        same = row["value"] == ref["value"] or (
+            not isinstance(row["value"], dict) and abs(row["value"] - ref["value"]) <= 1e-6 * abs(ref["value"])
+        )
+        print(
+            f"| {row['metric']:<6} | {row['ranks']:>5} | {row['threads_per_rank']:>12} | {row['seconds']:>9.2f} | "
+            f"{ref['seconds'] / row['seconds']:>7.2f}x | {row['peak_mib_per_rank']:>13.0f} | {str(same):<10} |"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -122,6 +212,7 @@ def main() -> None:
                 },
                 "prdc_peak_memory_mib": mem,
                 "dense_matrix_mib": dense_mb,
+                "sharded": sharded,
             },
             indent=2,
         )

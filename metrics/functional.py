@@ -176,8 +176,8 @@ def prdc(
 def mmd_kernel_sums(
     x: Tensor, y: Tensor, sigma: float = 10.0, chunk_size: int = 4096, rows: tuple[int, int] = (0, 1)
 ) -> Tensor:
-    """``[Σ k(x, x'), Σ k(y, y'), Σ k(x, y)]`` (float64, RBF kernel) over the row blocks ``rows = (rank, world)``
-    takes; the shards' sums add up to the full sums."""
+    """``[Σ k(x, x'), Σ k(y, y'), Σ k(x, y)]`` (float64, RBF kernel) over shard ``rows = (rank, world)``'s
+    contiguous ``1/world`` of the rows of the first argument; the shards' sums add up to the full sums."""
     x, y = x.double(), y.double()
     gamma = 1.0 / (2 * sigma**2)
     rank, world = rows
@@ -185,8 +185,10 @@ def mmd_kernel_sums(
     def kernel_sum(a: Tensor, b: Tensor) -> Tensor:
         a_sq, b_sq = a.square().sum(1), b.square().sum(1)
         total = torch.zeros((), dtype=torch.float64, device=a.device)
-        for i in list(range(0, len(a), chunk_size))[rank::world]:
-            d = _sq_dists(a[i : i + chunk_size], b, a_sq[i : i + chunk_size], b_sq).clamp_min_(0)
+        start, stop = rank * len(a) // world, (rank + 1) * len(a) // world
+        for i in range(start, stop, chunk_size):
+            e = min(i + chunk_size, stop)
+            d = _sq_dists(a[i:e], b, a_sq[i:e], b_sq).clamp_min_(0)
             total += d.mul_(-gamma).exp_().sum()
         return total
 

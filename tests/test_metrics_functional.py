@@ -107,3 +107,34 @@ def test_mmd_identical_is_zero_and_empty_is_an_error():
     assert abs(mmd(x, x.clone()).item()) < 1e-9
     with pytest.raises(ValueError, match="at least one sample"):
         mmd(x, x[:0])
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_sharded_prdc_and_mmd_pieces_add_up_to_the_whole(world):
+    """The per-rank pieces the metric classes run under DDP: every shard's k-NN candidates merged, every shard's
+    count and kernel sums added, equal the one-process values; dropping one shard (the control) does not."""
+    from lightning_muon.metrics.functional import (
+        knn_candidates,
+        merge_knn,
+        mmd_from_sums,
+        mmd_kernel_sums,
+        prdc_counts,
+        prdc_from_counts,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    real, fake = torch.randn(230, 6, generator=g, dtype=torch.float64), torch.randn(170, 6, generator=g).double() + 0.3
+    k, chunk = 4, 32
+    expected = prdc(real, fake, k, chunk, dtype=torch.float64)
+    shards = [(r, world) for r in range(world)]
+    radii = [merge_knn(torch.cat([knn_candidates(x, k, chunk, s) for s in shards], 1), k) for x in (real, fake)]
+    rows = [range(r * len(real) // world, (r + 1) * len(real) // world) for r in range(world)]
+    counts = sum(prdc_counts(real, fake, *radii, chunk, rows=rr) for rr in rows)
+    for key, value in prdc_from_counts(counts, len(real), len(fake), k).items():
+        assert value.item() == expected[key].item(), key
+    sums = sum(mmd_kernel_sums(real, fake, 1.0, chunk, s) for s in shards)
+    assert mmd_from_sums(sums, len(real), len(fake)).item() == pytest.approx(mmd(real, fake, 1.0).item(), rel=1e-12)
+    if world > 1:  # control: a shard missing from the merge changes the radii and the sums
+        partial = merge_knn(torch.cat([knn_candidates(real, k, chunk, s) for s in shards[1:]], 1), k)
+        assert not torch.equal(partial, radii[0])
+        assert not torch.allclose(sum(mmd_kernel_sums(real, fake, 1.0, chunk, s) for s in shards[1:]), sums)
