@@ -74,11 +74,34 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - resident) / 1024)
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
+def rss_mib() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_growth_mib(fn):
+    """``fn()`` and the peak growth of the resident set while it ran (sampled every 2 ms by a thread)."""
+    import threading
+
+    base, peak, done = rss_mib(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_mib() - base)
+            done.wait(0.002)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        out = fn()
+    finally:
+        done.set()
+        thread.join()
+    return out, max(peak[0], rss_mib() - base)
+
+
 def sharded_worker(rank: int, world: int, port: int, n: int, dim: int, threads: int, out_dir: str) -> None:
     """Rank ``rank`` holds samples i ≡ rank (mod world) of both sets; PRDC and MMD ``compute()`` (gather + its share
     of the distance work) timed, with the peak-RSS growth over the resident size before."""
-    import resource
-
     import torch.distributed as dist
 
     from lightning_muon.metrics.features import FeatureExtractor
@@ -98,11 +121,9 @@ def sharded_worker(rank: int, world: int, port: int, n: int, dim: int, threads: 
         metric = cls(Precomputed())
         metric.update_features(real[rank::world].clone(), real=True)
         metric.update_features(fake[rank::world].clone(), real=False)
-        resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024
         if world > 1:
             dist.barrier()
-        value, seconds = timed(metric.compute)
-        peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - resident) / 1024
+        (value, seconds), peak = peak_rss_growth_mib(lambda metric=metric: timed(metric.compute))
         value = {k: float(v) for k, v in value.items()} if isinstance(value, dict) else float(value)
         row[name] = {"seconds": seconds, "peak_mib": max(peak, 0.0), "value": value}
     Path(out_dir, f"{world}_{rank}.json").write_text(json.dumps(row))

@@ -207,6 +207,9 @@ class GenerationEvaluation(Callback):
         dinov2_weights / inception_weights / clip_weights / hps_weights: local weights for those metrics.
         clip_model / hps_model: open_clip architectures of ``clip_weights`` / ``hps_weights`` (a name, or the path
             of an open_clip model-config JSON file).
+        clip_quick_gelu: build the CLIP of ``cmmd`` with QuickGELU, as OpenAI's weights need (False for LAION's).
+        fid_resize: ``tf1`` (torch-fidelity's resize, the default) or ``clean`` (clean-fid's PIL bicubic) for the
+            InceptionV3 metrics.
         prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
             (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
         real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
@@ -233,6 +236,8 @@ class GenerationEvaluation(Callback):
         hps_weights: str | None = None,
         clip_model: str = "ViT-L-14-336",
         hps_model: str = "ViT-H-14",
+        clip_quick_gelu: bool = True,
+        fid_resize: str = "tf1",
         prompts_file: str | None = None,
         real_images_dir: str | None = None,
         real_image_size: int = 512,
@@ -253,6 +258,8 @@ class GenerationEvaluation(Callback):
             hps_weights=hps_weights,
             clip_model=clip_model,
             hps_model=hps_model,
+            clip_quick_gelu=clip_quick_gelu,
+            fid_resize=fid_resize,
         )
         self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
         self.prompts: list[str] | None = None

@@ -268,8 +268,8 @@ def hub_position_embeddings(pos: Tensor, rows: int, cols: int, offset: float = 0
     return torch.cat([pos[:, :1].float(), grid.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)], 1).to(pos.dtype)
 
 
-#: InceptionFeatures layers: torch-fidelity's names of pool3 and the logits; "spatial" is ADM's sFID layer.
-INCEPTION_LAYERS = {"pool3": "2048", "logits": "logits_unbiased", "spatial": None}
+#: InceptionFeatures layers and their feature sizes ("spatial": ADM's sFID layer, 7 channels × 17 × 17).
+INCEPTION_LAYERS = {"pool3": 2048, "logits": 1008, "spatial": 7 * 17 * 17}
 
 
 class InceptionFeatures(FeatureExtractor):
@@ -296,8 +296,8 @@ class InceptionFeatures(FeatureExtractor):
 
     def __init__(self, weights: str | os.PathLike, layer: str = "pool3", resize: str = "tf1", **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if layer not in INCEPTION_LAYERS or resize not in ("tf1", "clean"):
-            raise ValueError(f"layer must be one of {sorted(INCEPTION_LAYERS)} and resize 'tf1' or 'clean'.")
+        if resize not in ("tf1", "clean"):
+            raise ValueError(f"resize must be 'tf1' (torch-fidelity) or 'clean' (clean-fid), got {resize!r}.")
         path = Path(weights)
         if not path.is_file():
             raise FileNotFoundError(
@@ -314,8 +314,13 @@ class InceptionFeatures(FeatureExtractor):
             "inception-v3-compat", ["2048", "logits_unbiased"], feature_extractor_weights_path=str(path)
         )
         self.net.Mixed_6d.branch1x1.register_forward_hook(self._keep_spatial)
-        self.layer, self.resize = layer, resize
-        self.num_features = {"pool3": 2048, "logits": 1008, "spatial": 7 * 17 * 17}[layer]
+        self.resize = resize
+        self._set_layer(layer)
+
+    def _set_layer(self, layer: str) -> None:
+        if layer not in INCEPTION_LAYERS:
+            raise ValueError(f"layer must be one of {sorted(INCEPTION_LAYERS)}, got {layer!r}.")
+        self.layer, self.num_features = layer, INCEPTION_LAYERS[layer]
 
     def _keep_spatial(self, module: nn.Module, args: Any, output: Tensor) -> None:
         self.memo["spatial"] = output[:, :7].permute(0, 2, 3, 1).flatten(1)
@@ -325,8 +330,7 @@ class InceptionFeatures(FeatureExtractor):
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other._modules = self._modules  # the same submodules, not copies
-        other.layer = layer
-        other.num_features = {"pool3": 2048, "logits": 1008, "spatial": 7 * 17 * 17}[layer]
+        other._set_layer(layer)
         return other
 
     def settings(self) -> dict[str, Any]:

@@ -189,6 +189,8 @@ SHARED_ARGUMENTS = (
     "hps_weights",
     "clip_model",
     "hps_model",
+    "clip_quick_gelu",
+    "fid_resize",
 )
 
 
@@ -211,6 +213,8 @@ def add_callback_arguments(parser: argparse.ArgumentParser, **overrides: tuple[A
         flag = "--" + name.replace("_", "-")
         if name == "metrics":
             parser.add_argument(flag, nargs="+", default=list(default), choices=sorted(METRIC_NAMES), help=doc)
+        elif kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
         else:
             parser.add_argument(flag, type=kind, default=default, help=doc)
 
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         args.hps_weights,
         args.clip_model,
         args.hps_model,
+        clip_quick_gelu=args.clip_quick_gelu,
+        fid_resize=args.fid_resize,
     )
     for metric in metrics.values():
         metric.to(device)

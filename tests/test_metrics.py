@@ -340,8 +340,8 @@ def test_nan_features_and_too_few_samples_for_fd(classifier_path):
     metric.update(digits_images(20, noise=0.2), real=False)
     with pytest.warns(UserWarning, match="fewer samples than dimensions"):
         metric.compute()
-    hps_like = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
-    hps_like.update(digits_images(0), real=False)  # an empty batch is a no-op, not an error
+    empty = PrecisionRecallDensityCoverage(DigitsFeatures(classifier_path))
+    empty.update(digits_images(0), real=False)  # an empty batch is a no-op, not an error
 
 
 def test_shared_extractor_runs_once_per_batch(classifier_path):

@@ -55,68 +55,84 @@ class Images(torch.utils.data.Dataset):
 
 
 # ------------------------------------------------------------------------------------ FID / KID / IS: torch-fidelity
-@pytest.fixture(scope="module")
-def inception_path(tmp_path_factory):
-    """torch-fidelity's layer layout, random weights with the conv weights scaled to keep activations O(1) through
-    the 94 layers (PyTorch's default init shrinks them ~3× per layer: features, and FID, would be ~0)."""
-    state = random_inception_state_dict()
-    state = {k: v * 6**0.5 if k.endswith("conv.weight") else v for k, v in state.items()}
-    path = tmp_path_factory.mktemp("inception") / "pt_inception-2015-12-05-6726825d.pth"
+def make_inception_weights(path):
+    """torch-fidelity's layer layout with random weights that make every metric informative: conv weights scaled
+    to keep activations O(1) through the 94 layers (PyTorch's default init shrinks them ~3× per layer: features,
+    and FID, would be ~0), and classifier rows orthogonal to the mean pool3 feature and large, so the logits vary
+    from image to image as a trained classifier's do (else every Inception Score would be 1.000)."""
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    state = {k: v * 6**0.5 if k.endswith("conv.weight") else v for k, v in random_inception_state_dict().items()}
     torch.save(state, path)
+    net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(path))
+    with torch.no_grad():
+        (pool3,) = net(smooth_images(16, 64, 99))
+    mean = torch.nn.functional.normalize(pool3.mean(0), dim=0)
+    fc = state["fc.weight"] - (state["fc.weight"] @ mean)[:, None] * mean[None, :]
+    torch.save({**state, "fc.weight": fc * 300 / (pool3 - pool3.mean(0)).norm(dim=1).mean()}, path)
     return path
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_fid_kid_is_equal_torch_fidelity(inception_path, size):
+@pytest.fixture(scope="module")
+def inception_path(tmp_path_factory):
+    return make_inception_weights(tmp_path_factory.mktemp("inception") / "pt_inception-2015-12-05-6726825d.pth")
+
+
+def torch_fidelity_metrics(weights, real, fake, splits=2, subsets=7, subset_size=6):
+    """``torch_fidelity.calculate_metrics`` (FID, KID, IS; generated = ``input1``) on uint8 image tensors."""
     import torch_fidelity
 
-    real, fake = smooth_images(10, size, 0), smooth_images(10, size, 1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = torch_fidelity.calculate_metrics(
+        return torch_fidelity.calculate_metrics(
             input1=Images(fake),
             input2=Images(real),
             fid=True,
             kid=True,
             isc=True,
-            isc_splits=2,
-            kid_subsets=7,
-            kid_subset_size=6,
-            feature_extractor_weights_path=str(inception_path),
+            isc_splits=splits,
+            kid_subsets=subsets,
+            kid_subset_size=subset_size,
+            feature_extractor_weights_path=str(weights),
             cuda=False,
             cache=False,
             verbose=False,
-            batch_size=10,
+            batch_size=len(real),
         )
-    inception = InceptionFeatures(inception_path, batch_size=10)
-    fid, kid = FrechetDistance(inception), KernelInceptionDistance(inception, subsets=7, subset_size=6)
-    isc = InceptionScore(inception.view("logits"), splits=2)
+
+
+def our_inception_metrics(weights, real, fake, splits=2, subsets=7, subset_size=6, **kwargs):
+    """Our FID, KID and IS on one shared InceptionFeatures pass per batch."""
+    inception = InceptionFeatures(weights, batch_size=len(real), **kwargs)
+    fid, kid = FrechetDistance(inception), KernelInceptionDistance(inception, subsets=subsets, subset_size=subset_size)
+    isc = InceptionScore(inception.view("logits"), splits=splits)
     for metric in (fid, kid):
         metric.update(real, real=True)
     for metric in (fid, kid, isc):
         metric.update(fake, real=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # n < d
-        ours_fid = fid.compute().item()
-    assert ref["frechet_inception_distance"] > 1.0  # informative features, not a degenerate ~0
-    assert ours_fid == pytest.approx(ref["frechet_inception_distance"], rel=1e-4)
-    ours_kid = kid.compute()
-    # torch-fidelity's kernel runs in float32 numpy, ours in float64: a few 1e-6 apart relative to the kernel's size
-    assert ours_kid["kid"].item() == pytest.approx(ref["kernel_inception_distance_mean"], rel=1e-4, abs=1e-6)
-    assert ours_kid["kid_std"].item() == pytest.approx(ref["kernel_inception_distance_std"], rel=1e-3, abs=1e-6)
-    ours_is = isc.compute()
-    assert ours_is["is"].item() == pytest.approx(ref["inception_score_mean"], rel=1e-5)
-    assert ours_is["is_std"].item() == pytest.approx(ref["inception_score_std"], rel=1e-3, abs=1e-7)
+        return {"fid": fid.compute().item(), **{k: v.item() for k, v in {**kid.compute(), **isc.compute()}.items()}}
 
+
+@pytest.mark.parametrize("size", SIZES)
+def test_fid_kid_is_equal_torch_fidelity(inception_path, size):
+    real, fake = smooth_images(10, size, 0), smooth_images(10, size, 1)
+    ref = torch_fidelity_metrics(inception_path, real, fake)
+    ours = our_inception_metrics(inception_path, real, fake)
+    assert ref["frechet_inception_distance"] > 1.0 and ref["inception_score_mean"] > 2.0  # informative, not ~0 / ~1
+    assert ours["fid"] == pytest.approx(ref["frechet_inception_distance"], rel=1e-4)
+    # torch-fidelity's kernel runs in float32 numpy, ours in float64: a few 1e-6 apart relative to the kernel's size
+    assert ours["kid"] == pytest.approx(ref["kernel_inception_distance_mean"], rel=1e-4, abs=1e-6)
+    assert ours["kid_std"] == pytest.approx(ref["kernel_inception_distance_std"], rel=1e-3, abs=1e-6)
+    assert ours["is"] == pytest.approx(ref["inception_score_mean"], rel=1e-5)
+    assert ours["is_std"] == pytest.approx(ref["inception_score_std"], rel=1e-3, abs=1e-7)
     # control: clean-fid's resize instead of torch-fidelity's TF1 bilinear changes FID beyond the tolerance
-    clean = FrechetDistance(InceptionFeatures(inception_path, resize="clean", batch_size=10))
-    clean.update(real, real=True)
-    clean.update(fake, real=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert clean.compute().item() != pytest.approx(ref["frechet_inception_distance"], rel=1e-3)
+    clean = our_inception_metrics(inception_path, real, fake, resize="clean")
+    assert clean["fid"] != pytest.approx(ref["frechet_inception_distance"], rel=1e-3)
+    assert clean["is"] != pytest.approx(ref["inception_score_mean"], rel=1e-4)
     # control: another subset draw (seed) changes KID, so the draw order above is what matched
-    other = KernelInceptionDistance(inception, subsets=7, subset_size=6, seed=1)
+    other = KernelInceptionDistance(InceptionFeatures(inception_path), subsets=7, subset_size=6, seed=1)
     other.update(real, real=True)
     other.update(fake, real=False)
     assert other.compute()["kid"].item() != pytest.approx(ref["kernel_inception_distance_mean"], rel=1e-3)
@@ -233,21 +249,28 @@ def dgm_eval_dinov2(weights_dir, images: torch.Tensor) -> torch.Tensor:
         return hub.eval()(pixel_values=x).pooler_output
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_dinov2_features_equal_dgm_eval(tmp_path, size):
+def make_dinov2(path):
+    """A DINOv2 with the real checkpoints' geometry (518 px, patch 14: a 37×37 position grid) at hidden size 32,
+    its position embeddings a smooth O(1) field like trained ones (init's are 0.02 noise)."""
     from transformers import Dinov2Config, Dinov2Model
 
-    # the real checkpoints' geometry (518 px, patch 14: a 37×37 position grid) at hidden size 32
     torch.manual_seed(0)
     config = Dinov2Config(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, patch_size=14, image_size=518
     )
     model = Dinov2Model(config)
-    with torch.no_grad():  # trained position embeddings are smooth and O(1), not init's 0.02 noise
+    with torch.no_grad():
         grid = torch.nn.functional.interpolate(torch.randn(1, 32, 5, 5), size=(37, 37), mode="bicubic")
         model.embeddings.position_embeddings[:, 1:] = grid.permute(0, 2, 3, 1).reshape(1, 37 * 37, 32)
-    weights = tmp_path / "dinov2"
-    model.save_pretrained(weights)
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_dinov2_features_equal_dgm_eval(tmp_path, size):
+    from transformers import Dinov2Model
+
+    model, weights = make_dinov2(tmp_path / "dinov2")
     images = smooth_images(5, size, 6, height=size * 3 // 4)  # not square: dgm-eval squashes to 224×224
     expected = dgm_eval_dinov2(weights, images)
     ours = DinoV2Features(weights, batch_size=2)(images)
@@ -290,13 +313,11 @@ def cmmd_embeddings(model, images: torch.Tensor, size: int) -> torch.Tensor:
     return emb / emb.norm(dim=-1, keepdim=True)
 
 
-@pytest.fixture(scope="module")
-def clip_files(tmp_path_factory):
+def make_clip_files(root):
     """The same tiny CLIP as a state-dict checkpoint, a .safetensors file and an OpenAI-style TorchScript archive."""
     import open_clip
     from safetensors.torch import save_file
 
-    root = tmp_path_factory.mktemp("clip")
     model, checkpoint = tiny_open_clip_config(root)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, root / "tiny.safetensors")
     images, text = torch.rand(1, 3, 32, 32), open_clip.get_tokenizer("tiny-test-clip")(["a cat"])
@@ -304,6 +325,11 @@ def clip_files(tmp_path_factory):
         warnings.simplefilter("ignore")
         torch.jit.trace(model.eval(), (images, text), check_trace=False).save(str(root / "tiny-openai.pt"))
     return {"checkpoint": checkpoint, "safetensors": root / "tiny.safetensors", "torchscript": root / "tiny-openai.pt"}
+
+
+@pytest.fixture(scope="module")
+def clip_files(tmp_path_factory):
+    return make_clip_files(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -377,6 +403,7 @@ def test_hpsv2_equals_hpsv2_recipe(clip_files, size):
     expected = hpsv2_scores(reference, images, prompts, 32)
     torch.testing.assert_close(hps.scores(images, prompts), expected, rtol=1e-5, atol=1e-5)
     hps.update(images[:1], prompts[:1])
+    hps.update(images[:0], [])  # an empty batch (a rank with nothing left to score) is a no-op
     hps.update(images[1:], prompts[1:])
     assert hps.compute().item() == pytest.approx(expected.mean().item(), rel=1e-5)
     # control: center-crop resizing (open_clip's default eval transform) instead of hpsv2's letterbox

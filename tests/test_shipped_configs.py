@@ -86,7 +86,7 @@ def assets(tmp_path_factory):
         "/models/t5-v1_1-xxl": root / "t5",
         "/models/dinov2-large": tiny_dinov2(root / "dinov2"),
         "/models/pt_inception-2015-12-05-6726825d.pth": inception,
-        "/models/clip-vit-large-patch14-336.bin": clip,
+        "/models/ViT-L-14-336px.pt": clip,
         "/models/HPS_v2.1_compressed.pt": clip,
         "/data/eval/prompts.txt": root / "prompts.txt",
         "/data/eval/images": a["t2i_images"],
@@ -151,7 +151,7 @@ def user_override(name, assets):
         if callback["class_path"].endswith("GenerationEvaluation"):
             init.update(
                 every_n_steps=2,
-                num_samples=8,
+                num_samples=10,  # the Inception Score's 10 splits need 10
                 batch_size=4,
                 num_inference_steps=2,
                 real_image_size=16,
@@ -222,7 +222,7 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
     weights = [
         *("--dinov2-weights", paths["/models/dinov2-large"]),
         *("--inception-weights", paths["/models/pt_inception-2015-12-05-6726825d.pth"]),
-        *("--clip-weights", paths["/models/clip-vit-large-patch14-336.bin"]),
+        *("--clip-weights", paths["/models/ViT-L-14-336px.pt"]),
         *("--hps-weights", paths["/models/HPS_v2.1_compressed.pt"]),
         *("--clip-model", assets["clip_model"], "--hps-model", assets["clip_model"]),
     ]
@@ -242,7 +242,7 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
         "--image-size",
         16,
         "--num-samples",
-        8,
+        10,
         "--batch-size",
         4,
         "--num-inference-steps",

@@ -1,0 +1,192 @@
+"""How closely each metric reproduces the implementation users compare with, and how far the step each fidelity
+test guards moves it: the README's metric table, as a table and JSON.
+
+Same random-init weights (the real architectures' geometry) and the same uint8 images at 64, 256 and 512 px as
+``tests/test_metrics_fidelity.py``, whose reference recipes (torch-fidelity and clean-fid called directly; dgm-eval,
+google-research/cmmd and hpsv2 re-typed from their sources) this script reuses.
+
+    python benchmarks/metric_fidelity.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import test_metrics_fidelity as ref  # noqa: E402
+
+from lightning_muon.metrics import ClipFeatures, DinoV2Features, HPSv2Score  # noqa: E402
+from lightning_muon.metrics import features as F  # noqa: E402
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def inception_rows(root: Path, size: int) -> list[dict]:
+    weights = ref.make_inception_weights(root / "pt_inception.pth")
+    real, fake = ref.smooth_images(10, size, 0), ref.smooth_images(10, size, 1)
+    theirs = ref.torch_fidelity_metrics(weights, real, fake)
+    ours = ref.our_inception_metrics(weights, real, fake)
+    clean = ref.our_inception_metrics(weights, real, fake, resize="clean")
+    return [
+        {
+            "metric": "FID",
+            "reference": "torch-fidelity calculate_metrics",
+            "size": size,
+            "agreement": rel(ours["fid"], theirs["frechet_inception_distance"]),
+            "control": rel(clean["fid"], theirs["frechet_inception_distance"]),
+            "unit": "relative",
+            "control_step": "clean-fid resize instead of TF1 bilinear",
+        },
+        {
+            "metric": "KID",
+            "reference": "torch-fidelity calculate_metrics",
+            "size": size,
+            "agreement": rel(ours["kid"], theirs["kernel_inception_distance_mean"]),
+            "control": rel(clean["kid"], theirs["kernel_inception_distance_mean"]),
+            "unit": "relative",
+            "control_step": "clean-fid resize",
+        },
+        {
+            "metric": "Inception Score",
+            "reference": "torch-fidelity calculate_metrics",
+            "size": size,
+            "agreement": rel(ours["is"], theirs["inception_score_mean"]),
+            "control": rel(clean["is"], theirs["inception_score_mean"]),
+            "unit": "relative",
+            "control_step": "clean-fid resize",
+        },
+    ]
+
+
+def clean_resize_row(size: int) -> dict:
+    from cleanfid.resize import make_resizer
+
+    resizer = make_resizer("PIL", False, "bicubic", (299, 299))
+    images = torch.randint(0, 256, (3, 3, size, size), generator=torch.Generator().manual_seed(size), dtype=torch.uint8)
+    expected = np.stack([resizer(x) for x in images.permute(0, 2, 3, 1).numpy()])
+    ours = F.clean_resize(images, 299).permute(0, 2, 3, 1).numpy().astype(np.float64)
+    plain = torch.nn.functional.interpolate(images.float(), size=(299, 299), mode="bilinear").permute(0, 2, 3, 1)
+    return {
+        "metric": 'FID resize="clean"',
+        "reference": "clean-fid make_resizer(PIL, bicubic)",
+        "size": size,
+        "agreement": float(np.abs(ours - expected).max()),
+        "control": float(np.abs(plain.numpy() - expected).max()),
+        "unit": "max |Δ| grey levels",
+        "control_step": "plain bilinear resize",
+    }
+
+
+def dinov2_row(root: Path, size: int) -> dict:
+    from transformers import Dinov2Model
+
+    _, weights = ref.make_dinov2(root / f"dinov2_{size}")
+    images = ref.smooth_images(5, size, 6, height=size * 3 // 4)
+    expected = ref.dgm_eval_dinov2(weights, images)
+    ours = DinoV2Features(weights)(images)
+    x = F.normalize(F.pil_resize(images, 224), F.IMAGENET_MEAN, F.IMAGENET_STD)
+    with torch.no_grad():
+        plain = Dinov2Model.from_pretrained(weights).eval()(pixel_values=x).pooler_output
+    return {
+        "metric": "FD-DINOv2 features",
+        "reference": "dgm-eval DINOv2Encoder (torch.hub DINOv2)",
+        "size": size,
+        "agreement": float((ours - expected).abs().max()),
+        "control": float((plain - expected).abs().max()),
+        "unit": "max |Δ| feature",
+        "control_step": "transformers' size=(16,16) position interpolation",
+    }
+
+
+def clip_rows(files: dict, size: int) -> list[dict]:
+    import open_clip
+
+    reference = open_clip.create_model("tiny-test-clip", pretrained=None, force_quick_gelu=True)
+    reference.load_state_dict(ClipFeatures(files["checkpoint"], "tiny-test-clip").model.state_dict())
+    images = ref.smooth_images(4, size, 7, height=size // 2)
+    expected = ref.cmmd_embeddings(reference, images, 32)
+    gelu = ClipFeatures(files["checkpoint"], "tiny-test-clip", quick_gelu=False)(images)
+    rows = []
+    for kind, path in files.items():
+        ours = ClipFeatures(path, "tiny-test-clip")(images)
+        rows.append(
+            {
+                "metric": f"CMMD embeddings ({kind})",
+                "reference": "google-research/cmmd recipe, open_clip encode_image",
+                "size": size,
+                "agreement": float((ours - expected).abs().max()),
+                "control": float((gelu - expected).abs().max()),
+                "unit": "max |Δ| embedding",
+                "control_step": "GELU instead of QuickGELU",
+            }
+        )
+    return rows
+
+
+def hps_row(files: dict, size: int) -> dict:
+    import open_clip
+    from torchvision.transforms.functional import center_crop, resize
+
+    prompts = ["a cat", "a dog", "a red car", "two birds"]
+    images = ref.smooth_images(4, size, 8, height=size * 2 // 3)
+    hps = HPSv2Score(files["checkpoint"], model_name="tiny-test-clip")
+    reference = open_clip.create_model("tiny-test-clip", pretrained=None)
+    reference.load_state_dict(hps.model.state_dict())
+    expected = ref.hpsv2_scores(reference, images, prompts, 32)
+    ours = hps.scores(images, prompts)
+    x = center_crop(resize(images.float() / 255, 32, antialias=True), [32, 32])
+    with torch.no_grad():
+        img = torch.nn.functional.normalize(reference.encode_image(F.normalize(x, hps.mean, hps.std)), dim=-1)
+        txt = torch.nn.functional.normalize(
+            reference.encode_text(open_clip.get_tokenizer("tiny-test-clip")(prompts)), -1
+        )
+    return {
+        "metric": "HPSv2.1",
+        "reference": "hpsv2 score() recipe (letterbox ResizeMaxSize)",
+        "size": size,
+        "agreement": float((ours - expected).abs().max()),
+        "control": float(((img * txt).sum(-1) - expected).abs().max()),
+        "unit": "max |Δ| score",
+        "control_step": "center-crop resize instead of letterbox",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(ref.SIZES))
+    parser.add_argument("--out", default="benchmarks/results/metric_fidelity.json")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        files = ref.make_clip_files(root)
+        for size in args.sizes:
+            rows += inception_rows(root, size)
+            rows += [clean_resize_row(size), dinov2_row(root, size), *clip_rows(files, size), hps_row(files, size)]
+    print(f"| {'metric':<32} | {'reference':<50} | {'px':>3} | {'agreement':>9} | {'step changed':>12} | unit")
+    print(f"|{'-' * 34}|{'-' * 52}|{'-' * 5}|{'-' * 11}|{'-' * 14}|------")
+    for r in rows:
+        print(
+            f"| {r['metric']:<32} | {r['reference']:<50} | {r['size']:>3} | {r['agreement']:>9.1e} | "
+            f"{r['control']:>12.1e} | {r['unit']}; control: {r['control_step']}"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
