@@ -149,7 +149,7 @@ def hps_row(files: dict, size: int) -> dict:
     with torch.no_grad():
         img = torch.nn.functional.normalize(reference.encode_image(F.normalize(x, hps.mean, hps.std)), dim=-1)
         txt = torch.nn.functional.normalize(
-            reference.encode_text(open_clip.get_tokenizer("tiny-test-clip")(prompts)), -1
+            reference.encode_text(open_clip.get_tokenizer("tiny-test-clip")(prompts)), dim=-1
         )
     return {
         "metric": "HPSv2.1",
