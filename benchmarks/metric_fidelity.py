@@ -38,34 +38,19 @@ def inception_rows(root: Path, size: int) -> list[dict]:
     theirs = ref.torch_fidelity_metrics(weights, real, fake)
     ours = ref.our_inception_metrics(weights, real, fake)
     clean = ref.our_inception_metrics(weights, real, fake, resize="clean")
+    names = (("FID", "fid", "frechet_inception_distance"), ("KID", "kid", "kernel_inception_distance_mean"))
+    names += (("Inception Score", "is", "inception_score_mean"),)
     return [
         {
-            "metric": "FID",
+            "metric": metric,
             "reference": "torch-fidelity calculate_metrics",
             "size": size,
-            "agreement": rel(ours["fid"], theirs["frechet_inception_distance"]),
-            "control": rel(clean["fid"], theirs["frechet_inception_distance"]),
+            "agreement": rel(ours[key], theirs[their_key]),
+            "control": rel(clean[key], theirs[their_key]),
             "unit": "relative",
             "control_step": "clean-fid resize instead of TF1 bilinear",
-        },
-        {
-            "metric": "KID",
-            "reference": "torch-fidelity calculate_metrics",
-            "size": size,
-            "agreement": rel(ours["kid"], theirs["kernel_inception_distance_mean"]),
-            "control": rel(clean["kid"], theirs["kernel_inception_distance_mean"]),
-            "unit": "relative",
-            "control_step": "clean-fid resize",
-        },
-        {
-            "metric": "Inception Score",
-            "reference": "torch-fidelity calculate_metrics",
-            "size": size,
-            "agreement": rel(ours["is"], theirs["inception_score_mean"]),
-            "control": rel(clean["is"], theirs["inception_score_mean"]),
-            "unit": "relative",
-            "control_step": "clean-fid resize",
-        },
+        }
+        for metric, key, their_key in names
     ]
 
 

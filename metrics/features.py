@@ -126,7 +126,7 @@ def parameters_digest(module: nn.Module) -> str:
     for name, t in sorted(module.state_dict().items()):
         t = t.detach().cpu().contiguous()
         digest.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # reshape: 0-d buffers (BatchNorm counts)
     return digest.hexdigest()
 
 

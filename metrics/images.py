@@ -117,7 +117,7 @@ def image_set_fingerprint(images: Any) -> str:
     for x in items:
         x = x.detach().cpu().contiguous()
         digest.update(f"{tuple(x.shape)}:{x.dtype};".encode())
-        digest.update(x.view(torch.uint8).numpy().tobytes())
+        digest.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

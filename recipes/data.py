@@ -102,22 +102,39 @@ class DigitsDataModule(L.LightningDataModule):
         val_size: images held out for the validation loss.
         num_workers: DataLoader workers.
         predict_samples: samples ``lightning-muon predict`` generates.
+        image_size: 8, or a multiple of 8 the digits are upscaled to (bicubic, clamped): a harder, larger task.
     """
 
-    num_classes, image_size, channels = 10, 8, 1
+    num_classes, channels = 10, 1
 
     def __init__(
-        self, batch_size: int = 64, val_size: int = 256, num_workers: int = 0, predict_samples: int = 100
+        self,
+        batch_size: int = 64,
+        val_size: int = 256,
+        num_workers: int = 0,
+        predict_samples: int = 100,
+        image_size: int = 8,
     ) -> None:
         super().__init__()
+        if image_size < 8 or image_size % 8:
+            raise ValueError(f"image_size must be 8 or a multiple of 8, got {image_size}.")
         self.batch_size, self.val_size, self.num_workers = batch_size, val_size, num_workers
-        self.predict_samples = predict_samples
+        self.predict_samples, self.image_size = predict_samples, image_size
+
+    def _pixels(self) -> torch.Tensor:
+        """All digits as floats in [0, 1], ``(N, 1, image_size, image_size)``."""
+        from sklearn.datasets import load_digits
+
+        x = torch.tensor(load_digits().images / 16.0, dtype=torch.float32)[:, None]
+        if self.image_size != 8:
+            x = torch.nn.functional.interpolate(x, size=(self.image_size,) * 2, mode="bicubic").clamp(0, 1)
+        return x
 
     def setup(self, stage: str | None = None) -> None:
         from sklearn.datasets import load_digits
 
         digits = load_digits()
-        images = torch.tensor(digits.images / 16.0 * 2 - 1, dtype=torch.float32)[:, None]
+        images = self._pixels() * 2 - 1
         labels = torch.tensor(digits.target, dtype=torch.long)
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
         val, train = order[: self.val_size], order[self.val_size :]
@@ -125,10 +142,8 @@ class DigitsDataModule(L.LightningDataModule):
         self.val_set = _DictDataset(images=images[val], labels=labels[val])
 
     def real_images(self) -> torch.Tensor:
-        """All digits as uint8 (N, 1, 8, 8): the reference set of the generation metrics."""
-        from sklearn.datasets import load_digits
-
-        return torch.tensor(load_digits().images / 16.0 * 255, dtype=torch.float32).round().to(torch.uint8)[:, None]
+        """All digits as uint8 ``(N, 1, image_size, image_size)``: the reference set of the generation metrics."""
+        return (self._pixels() * 255).round().to(torch.uint8)
 
     def train_dataloader(self) -> DataLoader:
         return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -171,6 +171,10 @@ def test_sfid_features_are_mixed_6d_1x1_first_7_channels_hwc(inception_path):
     spatial = InceptionFeatures(inception_path).view("spatial")
     torch.testing.assert_close(spatial(images), expected, rtol=0, atol=0)
     assert spatial.num_features == 2023
+    # the reference-cache key: the weights' digest covers 0-d buffers (BatchNorm counts), the layer its size
+    assert (
+        spatial.fingerprint()["num_features"] == 2023 != InceptionFeatures(inception_path).fingerprint()["num_features"]
+    )
     # control: channel-first flattening (a natural PyTorch slip) does not match
     assert not torch.allclose(spatial(images), seen["x"][:, :7].reshape(4, -1))
 

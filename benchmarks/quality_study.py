@@ -1,0 +1,630 @@
+"""The quality study: does Muon beat AdamW on generation quality at an equal step budget, and does Periodic
+Row-wise Muon keep that gain at a fraction of the optimizer cost? (arXiv 2608.20818's headline claims, checked at
+small scale on this project's own runs.)
+
+Two configurations built offline: ``digits8`` (the default digits DiT on sklearn's 8×8 digits) and ``digits16``
+(the digits upscaled to 16×16 with a wider, deeper DiT). Arms: AdamW, Muon (K=1) and Periodic Row-wise Muon (K=3,
+γ=0.15), each with a learning-rate sweep (best chosen on the final validation loss, never on a test metric) and
+more seeds at the chosen rate; ablations on ``digits8`` at the chosen rate: K ∈ {1, 2, 3, 4, 6} and
+γ ∈ {0.05, 0.1, 0.15, 0.3}. Every ``--eval-every`` steps each run records digits FD, precision, recall, density,
+coverage and validation loss, with its cumulative optimizer seconds (end of backward to end of the batch, the
+interval ``OptimizerTelemetry``'s ``optim/step_ms`` measures) and training wall seconds (evaluations excluded).
+
+Resumable: a run whose rows are in the CSV is skipped (finished runs are appended as they end). ``--jobs``
+trains runs in parallel processes (one thread each by default). ``--quick`` is a ≤ 10 minute smoke version.
+
+    python benchmarks/quality_study.py                 # the default study (≤ 90 min on 2 CPU cores)
+    python benchmarks/quality_study.py --report-only   # regenerate quality_study.md and the plots from the CSV
+    python benchmarks/quality_study.py --steps 3000 --seeds 5 --jobs 8 --device cuda   # scaled up on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+COLUMNS = [
+    "config",
+    "optimizer",
+    "period",
+    "rownorm_scale",
+    "lr",
+    "seed",
+    "step",
+    "fd",
+    "precision",
+    "recall",
+    "density",
+    "coverage",
+    "val_loss",
+    "optimizer_seconds",
+    "wall_seconds",
+    "role",
+    "device",
+]
+
+#: the configurations: the digits resolution, DiT kwargs and the default step budget (equal for every arm)
+CONFIGS = {
+    "digits8": {
+        "image_size": 8,
+        "steps": 400,
+        "model_config": {
+            "num_attention_heads": 4,
+            "attention_head_dim": 32,
+            "in_channels": 1,
+            "num_layers": 4,
+            "sample_size": 8,
+            "patch_size": 2,
+            "num_embeds_ada_norm": 10,
+        },
+    },
+    "digits16": {
+        "image_size": 16,
+        "steps": 200,
+        "model_config": {
+            "num_attention_heads": 6,
+            "attention_head_dim": 32,
+            "in_channels": 1,
+            "num_layers": 6,
+            "sample_size": 16,
+            "patch_size": 4,
+            "num_embeds_ada_norm": 10,
+        },
+    },
+}
+
+#: the arms: optimizer name, K, γ; the learning rates swept (Muon: its lr; AdamW: adamw_lr)
+ARMS = {"adamw": ("adamw", 1, 0.0), "muon": ("muon", 1, 0.0), "periodic": ("periodic_muon", 3, 0.15)}
+LRS = {"adamw": (3e-4, 1e-3, 3e-3), "muon": (0.01, 0.02, 0.05), "periodic": (0.01, 0.02, 0.05)}
+PERIODS, SCALES = (1, 2, 3, 4, 6), (0.05, 0.1, 0.15, 0.3)
+PLOTS = "quality_study_"  # prefix of the PNG files beside the CSV
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    config: str
+    arm: str
+    period: int
+    rownorm_scale: float
+    lr: float
+    seed: int
+    role: str  # "sweep", "seeds", "ablation_k", "ablation_gamma"
+
+    @property
+    def optimizer(self) -> str:
+        """Periodic Row-wise Muon at K=1 is vanilla Muon (γ unused): one run, not two."""
+        name = ARMS[self.arm][0]
+        return "muon" if name == "periodic_muon" and self.period == 1 else name
+
+    @property
+    def key(self) -> tuple:
+        """(config, optimizer, K, γ, lr, seed) as the CSV rows spell them (K=1 and γ=0 outside periodic_muon)."""
+        periodic = self.optimizer == "periodic_muon"
+        period, scale = (self.period, round(self.rownorm_scale, 6)) if periodic else (1, 0.0)
+        return (self.config, self.optimizer, period, scale, self.lr, self.seed)
+
+
+def run_key(row: dict[str, Any]) -> tuple:
+    return (
+        row["config"],
+        row["optimizer"],
+        int(row["period"]),
+        round(float(row["rownorm_scale"]), 6),
+        float(row["lr"]),
+        int(row["seed"]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------- one run
+def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train ``run`` and return one row per evaluated step."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_muon.callbacks import GenerationEvaluation
+    from lightning_muon.recipes.data import DigitsDataModule
+    from lightning_muon.recipes.module import DiTModule
+
+    torch.set_num_threads(args.threads)
+    L.seed_everything(run.seed, verbose=False)
+    spec = CONFIGS[run.config]
+    steps, eval_every = budget(run.config, args)
+    _, optimizer, period, scale, _, _ = run.key
+    lr = {"lr": run.lr} if optimizer != "adamw" else {"adamw_lr": run.lr}
+    module = DiTModule(
+        model_config=spec["model_config"],
+        optimizer=optimizer,
+        period=period,
+        rownorm_scale=scale or 0.15,
+        warmup_steps=max(1, steps // 30),
+        schedule="cosine",
+        ema_decay=0.995,
+        cfg_dropout=0.1,
+        nonfinite="skip",
+        **lr,
+    )
+    data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
+
+    class Clock(Callback):
+        """Cumulative optimizer seconds and training wall seconds (evaluation time excluded) per step."""
+
+        def __init__(self) -> None:
+            self.optimizer_seconds, self.eval_seconds, self.snapshots = 0.0, 0.0, {}
+            self._t0 = self._start = 0.0
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            self._start = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            self.optimizer_seconds += now - self._t0
+            if trainer.global_step % eval_every == 0:
+                wall = now - self._start - self.eval_seconds
+                self.snapshots[trainer.global_step] = (self.optimizer_seconds, wall)
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if not trainer.sanity_checking:
+                loss = trainer.callback_metrics.get("val/loss")
+                self.snapshots.setdefault(("val", trainer.global_step), float(loss) if loss is not None else math.nan)
+
+    class EvalTimer(GenerationEvaluation):
+        def evaluate(self, trainer, pl_module, monitorable: bool = True):
+            start = time.perf_counter()
+            try:
+                return super().evaluate(trainer, pl_module, monitorable)
+            finally:
+                clock.eval_seconds += time.perf_counter() - start
+
+    clock = Clock()
+    evaluation = EvalTimer(
+        metrics=["fd_digits", "prdc_digits"],
+        every_n_steps=eval_every,
+        num_samples=args.samples,
+        num_inference_steps=args.inference_steps,
+        batch_size=250,
+        grid_size=0,
+        progress=False,
+        reference_dir=str(Path(args.work) / "eval_reference"),  # shared by every run: computed once
+    )
+    trainer = L.Trainer(
+        accelerator=args.device,
+        devices=1,
+        max_steps=steps,
+        val_check_interval=eval_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        callbacks=[clock, evaluation],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(Path(args.work) / "runs" / "_".join(map(str, run.key))),
+    )
+    trainer.fit(module, data)
+    rows = []
+    for entry in evaluation.history:
+        step = int(entry["step"])
+        opt_s, wall_s = clock.snapshots.get(step, (math.nan, math.nan))
+        rows.append(
+            {
+                "config": run.config,
+                "optimizer": optimizer,
+                "period": period,
+                "rownorm_scale": scale,
+                "lr": run.lr,
+                "seed": run.seed,
+                "step": step,
+                "fd": entry.get("eval/fd_digits"),
+                "precision": entry.get("eval/precision_digits"),
+                "recall": entry.get("eval/recall_digits"),
+                "density": entry.get("eval/density_digits"),
+                "coverage": entry.get("eval/coverage_digits"),
+                "val_loss": clock.snapshots.get(("val", step), math.nan),
+                "optimizer_seconds": opt_s,
+                "wall_seconds": wall_s,
+                "role": run.role,
+                "device": args.device_label,
+            }
+        )
+    return rows
+
+
+def budget(config: str, args: argparse.Namespace) -> tuple[int, int]:
+    """(steps, evaluation period) of ``config``: ``--steps`` / ``--eval-every`` or the config's default, 4 evals."""
+    steps = args.steps or CONFIGS[config]["steps"]
+    return steps, args.eval_every or max(1, steps // 4)
+
+
+def _worker(payload: tuple[Run, dict]) -> list[dict[str, Any]]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    run, ns = payload
+    return train_one(run, argparse.Namespace(**ns))
+
+
+# ------------------------------------------------------------------------------------------------------ planning
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    with path.open() as f:
+        return [dict(r) for r in csv.DictReader(f)]
+
+
+def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    new = not path.is_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def final_val_loss(rows: list[dict[str, Any]], key: tuple) -> float:
+    mine = [r for r in rows if run_key(r) == key]
+    last = max(mine, key=lambda r: int(r["step"]), default=None)
+    return float(last["val_loss"]) if last and last["val_loss"] not in ("", "nan") else math.inf
+
+
+def chosen_lr(rows: list[dict[str, Any]], config: str, arm: str, args: argparse.Namespace) -> float:
+    """The swept learning rate with the lowest final validation loss (seed ``args.seed0``)."""
+    _, period, scale = ARMS[arm]
+    candidates = [Run(config, arm, period, scale, lr, args.seed0, "sweep") for lr in args.lrs[arm]]
+    return min(candidates, key=lambda r: final_val_loss(rows, r.key)).lr
+
+
+def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[list[Run], list[Run]]:
+    """(sweep runs, runs that depend on the chosen learning rates); the second list is only final once every
+    sweep run is done."""
+    sweep, later = [], []
+    for config in args.configs:
+        for arm, (_, period, scale) in ARMS.items():
+            sweep += [Run(config, arm, period, scale, lr, args.seed0, "sweep") for lr in args.lrs[arm]]
+    for config in args.configs:
+        for arm, (_, period, scale) in ARMS.items():
+            lr = chosen_lr(rows, config, arm, args)
+            later += [Run(config, arm, period, scale, lr, args.seed0 + s, "seeds") for s in range(1, args.seeds)]
+    if args.ablations:
+        config, lr = args.configs[0], chosen_lr(rows, args.configs[0], "periodic", args)
+        for seed in range(args.seed0, args.seed0 + args.ablation_seeds):
+            later += [Run(config, "periodic", k, 0.15, lr, seed, "ablation_k") for k in args.periods]
+            later += [Run(config, "periodic", 3, g, lr, seed, "ablation_gamma") for g in args.scales]
+    return sweep, later
+
+
+def execute(runs: list[Run], rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path) -> None:
+    """Train every run whose rows are not in the CSV yet (``--jobs`` in parallel), appending rows as runs end."""
+    done = {run_key(r) for r in rows}
+    todo, seen = [], set()
+    for run in runs:
+        if run.key not in done and run.key not in seen:
+            todo.append(run)
+            seen.add(run.key)
+    if not todo:
+        return
+    from tqdm.auto import tqdm
+
+    ns = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
+    payloads = [(run, ns) for run in todo]
+    bar = tqdm(total=len(todo), desc="runs", unit="run")
+    if args.jobs <= 1:
+        results = map(_worker, payloads)
+    else:
+        import multiprocessing as mp
+
+        pool = mp.get_context("spawn").Pool(args.jobs)
+        results = pool.imap_unordered(_worker, payloads)
+    for new_rows in results:
+        append_rows(csv_path, new_rows)
+        rows.extend({k: str(v) for k, v in r.items()} for r in new_rows)
+        bar.update()
+    bar.close()
+    if args.jobs > 1:
+        pool.close()
+        pool.join()
+
+
+# ------------------------------------------------------------------------------------------------------- report
+def _f(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    xs = [x for x in xs if not math.isnan(x)]
+    if not xs:
+        return math.nan, math.nan
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+
+
+def per_run(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        runs[run_key(r)].append(r)
+    for v in runs.values():
+        v.sort(key=lambda r: int(r["step"]))
+    return runs
+
+
+def summarize(run_rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Best FD (and its step, wall time to reach it), final validation loss, optimizer-time share, step time."""
+    best = min(run_rows, key=lambda r: _f(r["fd"]))
+    last = run_rows[-1]
+    steps = int(last["step"])
+    return {
+        "best_fd": _f(best["fd"]),
+        "time_to_best": _f(best["wall_seconds"]),
+        "val_loss": _f(last["val_loss"]),
+        "precision": _f(best["precision"]),
+        "recall": _f(best["recall"]),
+        "opt_share": _f(last["optimizer_seconds"]) / _f(last["wall_seconds"]),
+        "opt_ms": 1000 * _f(last["optimizer_seconds"]) / steps,
+        "step_ms": 1000 * _f(last["wall_seconds"]) / steps,
+    }
+
+
+def arm_stats(rows: list[dict[str, Any]], config: str, optimizer: str, period: int, scale: float, lr: float | None):
+    """Per-seed summaries of one arm at one learning rate (default: every seed at the chosen rate)."""
+    out = []
+    for key, run_rows in per_run(rows).items():
+        c, o, k, g, run_lr, _ = key
+        if (c, o, k, g) == (config, optimizer, period, round(scale, 6)) and (lr is None or run_lr == lr):
+            out.append(summarize(run_rows))
+    return out
+
+
+def fmt(m: float, s: float, digits: int = 3) -> str:
+    return f"{m:.{digits}f} ± {s:.{digits}f}" if not math.isnan(m) else "—"
+
+
+def change(ours: float, base: float) -> str:
+    """``ours`` relative to ``base``: "12.3% lower" / "4.5% higher"."""
+    pct = 100 * (ours - base) / base
+    return f"{abs(pct):.1f}% {'lower' if pct < 0 else 'higher'}"
+
+
+def two_se_differs(a: list[float], b: list[float]) -> str:
+    """Whether mean(a) − mean(b) exceeds 2 standard errors of the difference."""
+    (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
+    se = math.sqrt((sa**2) / max(len(a), 1) + (sb**2) / max(len(b), 1))
+    return "yes" if se > 0 and abs(ma - mb) > 2 * se else "no"
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) -> str:
+    """quality_study.md (tables in the paper's form) and the PNG plots, from the CSV rows."""
+    lines = [
+        "# Quality study",
+        "",
+        f"Command: `{args.command}`. Machine: {args.machine}. Regenerate this page: "
+        "`python benchmarks/quality_study.py --report-only`. Mean ± std over seeds; 'beyond 2 SE' says whether a "
+        "difference exceeds two standard errors of the difference of means.",
+        "",
+    ]
+    for config in args.configs:
+        lrs = {arm: chosen_lr(rows, config, arm, args) for arm in ARMS}
+        stats = {}
+        for arm, (opt, k, g) in ARMS.items():
+            opt = "muon" if opt == "periodic_muon" and k == 1 else opt
+            stats[arm] = arm_stats(rows, config, opt, k, g if opt == "periodic_muon" else 0.0, lrs[arm])
+        steps, every = budget(config, args)
+        lines += [
+            f"## {config}",
+            "",
+            f"{steps} optimizer steps per run, evaluated every {every} ({args.samples} samples, "
+            f"{args.inference_steps} sampler steps). Learning rates chosen on the final validation loss (seed "
+            f"{args.seed0}; swept: "
+            + "; ".join(f"{arm} {', '.join(f'{x:g}' for x in args.lrs[arm])}" for arm in ARMS)
+            + "): "
+            + ", ".join(f"{arm} {lrs[arm]:g}" for arm in ARMS)
+            + ".",
+            "",
+            "| optimizer | seeds | best FD | final val loss | precision | recall | optimizer ms/step | step ms | "
+            "optimizer share | time to best FD (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for arm, s in stats.items():
+            col = {key: mean_std([x[key] for x in s]) for key in s[0]} if s else {}
+            if not col:
+                continue
+            lines.append(
+                f"| {arm} | {len(s)} | {fmt(*col['best_fd'])} | {fmt(*col['val_loss'], 4)} | "
+                f"{fmt(*col['precision'])} | {fmt(*col['recall'])} | {fmt(*col['opt_ms'], 1)} | {fmt(*col['step_ms'], 1)} | "
+                f"{fmt(*col['opt_share'], 2)} | {fmt(*col['time_to_best'], 0)} |"
+            )
+        fd = {arm: [x["best_fd"] for x in s] for arm, s in stats.items()}
+        vl = {arm: [x["val_loss"] for x in s] for arm, s in stats.items()}
+        opt = {arm: [x["opt_ms"] for x in s] for arm, s in stats.items()}
+        if all(fd.values()):
+            m = {arm: mean_std(v)[0] for arm, v in fd.items()}
+            o = {arm: mean_std(v)[0] for arm, v in opt.items()}
+            v = {arm: mean_std(x)[0] for arm, x in vl.items()}
+            lines += [
+                "",
+                "| comparison | ours | paper | beyond 2 SE |",
+                "|---|---:|---:|---|",
+                f"| Muon vs AdamW, best FD | {change(m['muon'], m['adamw'])} | 12.9–19.1% lower (FD-DINOv2) | "
+                f"{two_se_differs(fd['muon'], fd['adamw'])} |",
+                f"| Muon vs AdamW, final val loss | {change(v['muon'], v['adamw'])} | — | "
+                f"{two_se_differs(vl['muon'], vl['adamw'])} |",
+                f"| Periodic vs Muon, best FD | {change(m['periodic'], m['muon'])} | within 0.5% | "
+                f"{two_se_differs(fd['periodic'], fd['muon'])} |",
+                f"| Periodic vs Muon, optimizer time | {change(o['periodic'], o['muon'])} | 46.9–54.3% lower | "
+                f"{two_se_differs(opt['periodic'], opt['muon'])} |",
+                "",
+            ]
+        lines += [f"![FD vs step]({PLOTS}{config}_fd_vs_step.png) ![FD vs wall]({PLOTS}{config}_fd_vs_wall.png)", ""]
+        plot_curves(rows, config, stats_keys(config, lrs), out_dir)
+    if args.ablations:
+        lines += ablation_tables(rows, args, out_dir)
+    text = "\n".join(lines) + "\n"
+    (out_dir / "quality_study.md").write_text(text)
+    return text
+
+
+def stats_keys(config: str, lrs: dict[str, float]) -> dict[str, tuple]:
+    keys = {}
+    for arm, (opt, k, g) in ARMS.items():
+        opt = "muon" if opt == "periodic_muon" and k == 1 else opt
+        keys[arm] = (config, opt, k, round(g if opt == "periodic_muon" else 0.0, 6), lrs[arm])
+    return keys
+
+
+def curves(rows, match) -> dict[int, list[dict[str, Any]]]:
+    """Rows of the runs ``match(key)`` accepts, per seed."""
+    return {key[5]: v for key, v in per_run(rows).items() if match(key)}
+
+
+def plot_band(ax, runs: dict[int, list[dict[str, Any]]], x: str, label: str) -> None:
+    if not runs:
+        return
+    n = min(len(v) for v in runs.values())
+    xs = [mean_std([_f(v[i][x]) for v in runs.values()])[0] for i in range(n)]
+    ys = [mean_std([_f(v[i]["fd"]) for v in runs.values()]) for i in range(n)]
+    mean = [m for m, _ in ys]
+    ax.plot(xs, mean, marker="o", ms=3, label=f"{label} (n={len(runs)})")
+    ax.fill_between(xs, [m - s for m, s in ys], [m + s for m, s in ys], alpha=0.2)
+
+
+def plot_curves(rows, config: str, keys: dict[str, tuple], out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for x, name, xlabel in (("step", "fd_vs_step", "step"), ("wall_seconds", "fd_vs_wall", "training wall seconds")):
+        fig, ax = plt.subplots(figsize=(5, 3.4), dpi=120)
+        for arm, key in keys.items():
+            plot_band(ax, curves(rows, lambda k, key=key: k[:5] == key), x, arm)
+        ax.set(xlabel=xlabel, ylabel="digits FD (lower is better)", title=f"{config}: mean ± std over seeds")
+        ax.set_yscale("log")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{PLOTS}{config}_{name}.png")
+        plt.close(fig)
+
+
+def ablation_tables(rows, args: argparse.Namespace, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    config = args.configs[0]
+    lr = chosen_lr(rows, config, "periodic", args)
+    lines = [f"## Ablations ({config}, lr {lr:g}, seeds {args.seed0}…{args.seed0 + args.ablation_seeds - 1})", ""]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    for ax, (name, values, key_of) in zip(
+        axes,
+        (
+            ("K (γ = 0.15)", args.periods, lambda v: ("muon", 1, 0.0) if v == 1 else ("periodic_muon", v, 0.15)),
+            ("γ (K = 3)", args.scales, lambda v: ("periodic_muon", 3, round(v, 6))),
+        ),
+    ):
+        lines += [f"| {name} | seeds | best FD | vs the default (K=3, γ=0.15) | beyond 2 SE | optimizer ms/step |"]
+        lines += ["|---|---:|---:|---:|---|---:|"]
+        base = [
+            summarize(v)["best_fd"]
+            for key, v in per_run(rows).items()
+            if key[:5] == (config, "periodic_muon", 3, 0.15, lr) and key[5] < args.seed0 + args.ablation_seeds
+        ]
+        means, stds = [], []
+        for value in values:
+            opt, k, g = key_of(value)
+            s = [
+                summarize(v)
+                for key, v in per_run(rows).items()
+                if key[:5] == (config, opt, k, g, lr) and key[5] < args.seed0 + args.ablation_seeds
+            ]
+            fd = [x["best_fd"] for x in s]
+            (m, sd), (b, _) = mean_std(fd), mean_std(base)
+            means.append(m)
+            stds.append(sd)
+            lines.append(
+                f"| {value:g} | {len(s)} | {fmt(m, sd)} | {change(m, b)} | {two_se_differs(fd, base)} | "
+                f"{fmt(*mean_std([x['opt_ms'] for x in s]), 1)} |"
+            )
+        lines.append("")
+        ax.errorbar([str(v) for v in values], means, yerr=stds, marker="o", capsize=3)
+        ax.set(xlabel=name, ylabel="best digits FD", title=f"{config}: {name}")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{PLOTS}ablations.png")
+    plt.close(fig)
+    lines += [f"![K and γ ablations]({PLOTS}ablations.png)", ""]
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="≤ 10 min smoke version (tiny budget, 1 config)")
+    parser.add_argument("--out", default="benchmarks/results", help="quality_study.csv / .md / PNGs go here")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: per config)")
+    parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: steps / 4)")
+    parser.add_argument("--samples", type=int, default=500, help="generated images per evaluation")
+    parser.add_argument("--inference-steps", type=int, default=10, help="sampler steps per generated image")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm at the chosen learning rate")
+    parser.add_argument("--ablation-seeds", type=int, default=2)
+    parser.add_argument("--no-ablations", dest="ablations", action="store_false")
+    parser.add_argument("--seed0", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2, help="parallel runs")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--device", default="cpu", help="Lightning accelerator (cpu, cuda)")
+    parser.add_argument("--report-only", action="store_true", help="regenerate the report from the CSV")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.configs, args.steps, args.eval_every, args.samples, args.inference_steps = ["digits8"], 40, 20, 100, 4
+        args.seeds, args.ablation_seeds, args.periods, args.scales = 2, 1, (1, 3), (0.15,)
+        args.lrs = {"adamw": (1e-3, 3e-3), "muon": (0.02, 0.05), "periodic": (0.02, 0.05)}
+    else:
+        args.periods, args.scales, args.lrs = PERIODS, SCALES, LRS
+    args.command = "python benchmarks/quality_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.device}"
+    args.device_label = args.device
+    args.work = str(Path(args.out) / ".quality_study_work")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path = out / "quality_study.csv"
+    rows = read_rows(csv_path)
+    if args.report_only and not rows:
+        parser.error(f"--report-only: {csv_path} has no rows; run the study first.")
+    if rows and not set(COLUMNS) <= set(rows[0]):
+        parser.error(f"{csv_path} lacks columns {sorted(set(COLUMNS) - set(rows[0]))}; it is not this study's CSV.")
+    if not args.report_only:
+        sweep, _ = plan(rows, args)
+        execute(sweep, rows, args, csv_path)
+        _, later = plan(rows, args)  # the chosen learning rates are known now
+        execute(later, rows, args, csv_path)
+    (out / "quality_study.json").write_text(json.dumps({"command": args.command, "machine": args.machine}))
+    print(report(rows, args, out))
+
+
+if __name__ == "__main__":
+    main()
