@@ -450,8 +450,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) 
                 continue
             lines.append(
                 f"| {arm} | {len(s)} | {fmt(*col['best_fd'])} | {fmt(*col['val_loss'], 4)} | "
-                f"{fmt(*col['precision'])} | {fmt(*col['recall'])} | {fmt(*col['opt_ms'], 1)} | {fmt(*col['step_ms'], 1)} | "
-                f"{fmt(*col['opt_share'], 2)} | {fmt(*col['time_to_best'], 0)} |"
+                f"{fmt(*col['precision'])} | {fmt(*col['recall'])} | {fmt(*col['opt_ms'], 1)} | "
+                f"{fmt(*col['step_ms'], 1)} | {fmt(*col['opt_share'], 2)} | {fmt(*col['time_to_best'], 0)} |"
             )
         fd = {arm: [x["best_fd"] for x in s] for arm, s in stats.items()}
         vl = {arm: [x["val_loss"] for x in s] for arm, s in stats.items()}
