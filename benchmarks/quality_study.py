@@ -407,6 +407,8 @@ def change(ours: float, base: float) -> str:
 
 def two_se_differs(a: list[float], b: list[float]) -> str:
     """Whether mean(a) − mean(b) exceeds 2 standard errors of the difference."""
+    if len(a) < 2 or len(b) < 2:
+        return "n/a (< 2 seeds)"
     (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
     se = math.sqrt((sa**2) / max(len(a), 1) + (sb**2) / max(len(b), 1))
     return "yes" if se > 0 and abs(ma - mb) > 2 * se else "no"
@@ -420,6 +422,9 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) 
         f"Command: `{args.command}`. Machine: {args.machine}. Regenerate this page: "
         "`python benchmarks/quality_study.py --report-only`. Mean ± std over seeds; 'beyond 2 SE' says whether a "
         "difference exceeds two standard errors of the difference of means.",
+        "",
+        f"Runs in the CSV: {len(per_run(rows))} of the {args.planned} these flags plan"
+        + ("." if len(per_run(rows)) >= args.planned else " (partial: run the command again to train the rest)."),
         "",
     ]
     for config in args.configs:
@@ -622,6 +627,7 @@ def main(argv: list[str] | None = None) -> None:
         execute(sweep, rows, args, csv_path)
         _, later = plan(rows, args)  # the chosen learning rates are known now
         execute(later, rows, args, csv_path)
+    args.planned = len({run.key for run in [r for part in plan(rows, args) for r in part]})
     (out / "quality_study.json").write_text(json.dumps({"command": args.command, "machine": args.machine}))
     print(report(rows, args, out))
 
