@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# the columns the study must write, spelled out here (importing the script's list would let it drift unnoticed)
 REQUIRED = [
     "config",
     "optimizer",
