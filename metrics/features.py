@@ -12,6 +12,7 @@ import hashlib
 import logging
 import math
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +165,10 @@ class FeatureExtractor(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         key = (id(images), _version(images), tuple(images.shape), images.dtype)
-        if self.memo.get("key") != key or self.memo.get("input") is not images:
-            self.memo.update(key=key, input=images, output=self._extract(images))
+        seen = self.memo.get("input")
+        if self.memo.get("key") != key or seen is None or seen() is not images:
+            # a weak reference: the memo never keeps a batch of images alive
+            self.memo.update(key=key, input=weakref.ref(images), output=self._extract(images))
         out = self.memo["output"]
         return out[self.layer] if isinstance(out, dict) else out
 
