@@ -64,6 +64,11 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _rank_zero() -> bool:
+    """True on rank 0 and outside DDP."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 class _ReferenceCache:
     """Save / load the real-image statistics of a metric to a file tagged with the extractor that made them."""
 
@@ -123,7 +128,7 @@ class _ReferenceCache:
 
 def write_reference(path: str | os.PathLike, tag: dict[str, Any], reference: Mapping[str, Tensor]) -> None:
     """Rank 0 writes ``tag`` and the reference tensors to ``path`` atomically."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+    if _rank_zero():
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         atomic_save({**tag, "reference": {k: v.cpu() for k, v in reference.items()}}, path)
 
@@ -575,7 +580,7 @@ def ensure_references(
     paths; recomputed statistics are synced over ranks and rank 0 writes them.
     """
     tags = {name: m.reference_tag(data) for name, m in metrics.items()}
-    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    rank0 = _rank_zero()
     cached = {name: _read_reference(Path(paths[name]), tags[name]) if rank0 else None for name in metrics}
     cached = _broadcast(cached)
     missing = {name: m for name, m in metrics.items() if cached[name] is None}

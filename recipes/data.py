@@ -121,11 +121,9 @@ class DigitsDataModule(L.LightningDataModule):
         self.batch_size, self.val_size, self.num_workers = batch_size, val_size, num_workers
         self.predict_samples, self.image_size = predict_samples, image_size
 
-    def _pixels(self) -> torch.Tensor:
-        """All digits as floats in [0, 1], ``(N, 1, image_size, image_size)``."""
-        from sklearn.datasets import load_digits
-
-        x = torch.tensor(load_digits().images / 16.0, dtype=torch.float32)[:, None]
+    def _pixels(self, digits_images) -> torch.Tensor:
+        """sklearn's ``(N, 8, 8)`` digit images (0–16) as floats in [0, 1], ``(N, 1, image_size, image_size)``."""
+        x = torch.tensor(digits_images / 16.0, dtype=torch.float32)[:, None]
         if self.image_size != 8:
             x = torch.nn.functional.interpolate(x, size=(self.image_size,) * 2, mode="bicubic").clamp(0, 1)
         return x
@@ -134,7 +132,7 @@ class DigitsDataModule(L.LightningDataModule):
         from sklearn.datasets import load_digits
 
         digits = load_digits()
-        images = self._pixels() * 2 - 1
+        images = self._pixels(digits.images) * 2 - 1
         labels = torch.tensor(digits.target, dtype=torch.long)
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
         val, train = order[: self.val_size], order[self.val_size :]
@@ -143,7 +141,9 @@ class DigitsDataModule(L.LightningDataModule):
 
     def real_images(self) -> torch.Tensor:
         """All digits as uint8 ``(N, 1, image_size, image_size)``: the reference set of the generation metrics."""
-        return (self._pixels() * 255).round().to(torch.uint8)
+        from sklearn.datasets import load_digits
+
+        return (self._pixels(load_digits().images) * 255).round().to(torch.uint8)
 
     def train_dataloader(self) -> DataLoader:
         return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
