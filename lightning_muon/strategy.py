@@ -167,6 +167,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self._shard_mesh: DeviceMesh | None = None
+        self._resumed_epoch: int | None = None  # set by load_checkpoint, used until training starts
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -268,18 +269,33 @@ class MuonFSDPStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Give the (distributed) sampler the fit loop's epoch before Lightning creates the first iterator: a run
-        resumed mid-epoch otherwise fast-forwards through the epoch-0 permutation (Lightning issue #21938)."""
+        """On resume, give the (distributed) sampler the resumed epoch before Lightning creates the first iterator:
+        it otherwise fast-forwards through the epoch-0 permutation (Lightning issue #21938)."""
         from lightning.fabric.utilities.data import _set_sampler_epoch
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training:
-            loop, epoch = trainer.fit_loop, trainer.fit_loop.epoch_progress.current.processed
-            progress = loop.epoch_progress.total
-            if progress.processed == progress.started - 1 and loop.epoch_loop.batch_progress.is_last_batch:
-                epoch += 1  # resumed at an epoch's last batch: Lightning ends that epoch right after this
-            _set_sampler_epoch(dataloader, epoch)
+        if trainer is not None and trainer.training and self._resumed_epoch is not None:
+            _set_sampler_epoch(dataloader, self._resumed_epoch)
         return dataloader
+
+    @override
+    def on_train_start(self) -> None:
+        """After a resume, set the fit loop's epoch counters to an uninterrupted run's during epoch ``E``
+        (ready = started = E + 1, processed = completed = E).
+
+        Lightning's restart leaves them off by one after a checkpoint at an epoch's last batch (it ends that epoch
+        but skips counting the next one as started), so the next such checkpoint resumes with its sampler epoch
+        one behind: the same permutation again, a different loss curve. Repairing them here, before the first
+        epoch starts, keeps every later epoch and checkpoint right."""
+        super().on_train_start()
+        if self._resumed_epoch is None:
+            return
+        loop, epoch = self.lightning_module.trainer.fit_loop, self._resumed_epoch
+        started = epoch if not loop.restarted_mid_epoch else epoch + 1  # otherwise Lightning counts it next
+        for tracker in (loop.epoch_progress.current, loop.epoch_progress.total):
+            tracker.ready = tracker.started = started
+            tracker.processed = tracker.completed = epoch
+        self._resumed_epoch = None
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -298,15 +314,10 @@ class MuonFSDPStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        path = resolve_checkpoint(self.broadcast(str(checkpoint_path)))
+        path = self._checkpoint_chosen_by_rank_zero(checkpoint_path)
         if not is_distributed_checkpoint(path):
             meta = super().load_checkpoint(path, weights_only=True)
         else:
-            if problem := checkpoint_problem(path):
-                raise ValueError(
-                    f"Cannot resume from {path}: {problem}. Pass the checkpoint directory instead to "
-                    "resume from the newest complete checkpoint in it."
-                )
             assert self.model is not None and self.lightning_module is not None
             model_state = {"state_dict": get_model_state_dict(self.model)}
             load_distributed(model_state, path)
@@ -319,13 +330,52 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                     self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
                 )
             meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
-        _restore_loader_position(meta.get("loops", {}).get("fit_loop", {}), self.global_rank, self.world_size)
+        fit_loop = meta.get("loops", {}).get("fit_loop", {})
+        self._resumed_epoch = _resumed_epoch(fit_loop)
+        _restore_loader_position(fit_loop, self.global_rank, self.world_size)
         return meta
+
+    def _checkpoint_chosen_by_rank_zero(self, checkpoint_path: Any) -> Path:
+        """The checkpoint every rank loads: rank 0 alone resolves a directory to its newest complete checkpoint and
+        checks it, then broadcasts the path or the error. Ranks resolving for themselves can pick different steps
+        (a listing racing rank 0's restore of an interrupted replacement, a lagging network file system) and load
+        a mixed state without any error.
+
+        Raises:
+            FileNotFoundError: the directory holds no complete checkpoint (on every rank).
+            ValueError: the checkpoint is incomplete or damaged (on every rank).
+        """
+        decision: tuple[str | None, str | None, bool] = (None, None, False)
+        if self.is_global_zero:
+            try:
+                path = resolve_checkpoint(checkpoint_path)
+                problem = checkpoint_problem(path) if is_distributed_checkpoint(path) else None
+                decision = (str(path), problem, False)
+            except FileNotFoundError as err:
+                decision = (None, str(err), True)
+        found, problem, missing = self.broadcast(decision)
+        if missing:
+            raise FileNotFoundError(problem)
+        if problem:
+            raise ValueError(
+                f"Cannot resume from {found}: {problem}. Pass the checkpoint directory instead to "
+                "resume from the newest complete checkpoint in it."
+            )
+        return Path(found)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + PeriodicRowwiseMuon (lightning-muon)")
+
+
+def _resumed_epoch(fit_loop: dict[str, Any]) -> int | None:
+    """The epoch a resumed run trains first: the saved one, or the next when the checkpoint was taken at an
+    epoch's last batch (Lightning ends that epoch on restart)."""
+    if "epoch_progress" not in fit_loop:
+        return None
+    epoch = int(fit_loop["epoch_progress"]["current"]["completed"])
+    return epoch + 1 if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch") else epoch
 
 
 def _restore_loader_position(fit_loop: dict[str, Any], rank: int, world_size: int) -> None:

@@ -8,6 +8,7 @@ sees an externally launched job exactly as under torchrun. Each rank runs a real
 
     python tests/faults/harness.py raise --out DIR          # rank failure propagation, 2 and 3 ranks
     python tests/faults/harness.py kill --trials 20 --out DIR
+    python tests/faults/harness.py chain --out DIR          # epoch-end resumes with/without repair; no checkpoint
 
 Both write ``<out>/report.json`` (read by tests/faults/test_faults.py) and print a summary.
 """
@@ -113,16 +114,33 @@ class Record(Callback):
                 torch.save(state, self.reference / f"{trainer.global_step}.pt")
 
 
+def _not_on_this_rank(path):
+    raise AssertionError(f"rank {os.environ['RANK']} resolved {path} itself: only rank 0 may choose the checkpoint")
+
+
+class UnrepairedEpochs(MuonFSDPStrategy):
+    """Deliberate break: ``muon_fsdp`` without its repair of Lightning's epoch counters after a resume."""
+
+    def on_train_start(self) -> None:
+        self._resumed_epoch = None
+        super().on_train_start()
+
+
 def fit(out: Path, ckpt_dir: Path, reference: Path, args: dict) -> None:
     """``Trainer.fit`` on this rank (world from the environment), resuming from ``ckpt_dir`` when it has checkpoints."""
     from datetime import timedelta
 
     torch.set_num_threads(1)
+    if int(os.environ["RANK"]) != 0:  # only rank 0 may pick the checkpoint; the others load what it broadcasts
+        import lightning_muon.strategy
+
+        lightning_muon.strategy.resolve_checkpoint = _not_on_this_rank
     resume = ckpt_dir if any(ckpt_dir.glob("*.ckpt")) else None
+    strategy_class = MuonFSDPStrategy if args.get("repair_epochs", True) else UnrepairedEpochs
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=MuonFSDPStrategy(timeout=timedelta(seconds=args.get("timeout", 300))),
+        strategy=strategy_class(timeout=timedelta(seconds=args.get("timeout", 300))),
         max_steps=args["max_steps"],
         logger=False,
         enable_progress_bar=False,
@@ -235,11 +253,7 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
     reference = out / "reference"
     reference.mkdir(parents=True, exist_ok=True)
     ref_run = out / "reference_run"
-    exits = wait(
-        launch(2, ref_run, ref_run / "ckpt", reference, max_steps=max_steps, write_reference=True), time.time() + 300
-    )
-    if any(e["code"] != 0 for e in exits.values()):
-        raise RuntimeError(f"reference run failed: {(ref_run / 'rank0.log').read_text()[-3000:]}")
+    launch_and_check(ref_run, ref_run / "ckpt", reference, max_steps=max_steps, write_reference=True)
     want = {r["step"]: r["loss"] for r in map(json.loads, (ref_run / "losses.jsonl").read_text().splitlines())}
     ckpt_dir = out / "chain_ckpt"
     rows = []
@@ -293,6 +307,49 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
     }
 
 
+def resume_chain(out: Path, stops: list[int], repair_epochs: bool = True) -> dict:
+    """Runs that each stop at the next of ``stops`` (``max_steps``) and resume from the previous one's checkpoints,
+    against an uninterrupted run to ``stops[-1]`` (made once per ``out``): is every resumed state and every logged
+    loss the uninterrupted run's?"""
+    reference, ref_run = out / "reference", out / "reference_run"
+    if not (ref_run / "losses.jsonl").is_file():
+        reference.mkdir(parents=True, exist_ok=True)
+        launch_and_check(ref_run, ref_run / "ckpt", reference, max_steps=stops[-1], write_reference=True)
+    want = {r["step"]: r["loss"] for r in map(json.loads, (ref_run / "losses.jsonl").read_text().splitlines())}
+    chain = out / f"chain_{'repaired' if repair_epochs else 'unrepaired'}"
+    resumed, losses = [], []
+    for stop in stops:
+        run = chain / f"to{stop}"
+        launch_and_check(run, chain / "ckpt", reference, max_steps=stop, repair_epochs=repair_epochs)
+        if (run / "resumed.json").is_file():
+            resumed.append(json.loads((run / "resumed.json").read_text()))
+        losses += [json.loads(line) for line in (run / "losses.jsonl").read_text().splitlines()]
+    return {
+        "resumed_exactly": all(r["exact"] for r in resumed) and len(resumed) == len(stops) - 1,
+        "steps": [r["step"] for r in losses],
+        "mismatched_steps": [r["step"] for r in losses if r["loss"] != want[r["step"]]],
+    }
+
+
+def resume_from_nothing(out: Path) -> dict:
+    """A resume from a directory whose only ``*.ckpt`` is incomplete: every rank must fail with the message."""
+    ckpt_dir = out / "ckpt"
+    (ckpt_dir / "epoch=0-step=3.ckpt").mkdir(parents=True)  # no .metadata, no meta.pt: a torn copy
+    exits = wait(launch(2, out, ckpt_dir, out, max_steps=6), time.time() + 120)
+    logs = [(out / f"rank{r}.log").read_text() for r in range(2)]
+    return {
+        "codes": [exits[r]["code"] for r in range(2)],
+        "message_on_every_rank": all("No complete checkpoint" in log for log in logs),
+    }
+
+
+def launch_and_check(run: Path, ckpt_dir: Path, reference: Path, **args) -> None:
+    """One 2-rank fit to its end; raises with rank 0's log when a rank fails."""
+    exits = wait(launch(2, run, ckpt_dir, reference, **args), time.time() + 300)
+    if any(e["code"] != 0 for e in exits.values()):
+        raise RuntimeError(f"run {run} failed: {(run / 'rank0.log').read_text()[-3000:]}")
+
+
 def mixed_checkpoint_control(out: Path, reference: Path, max_steps: int) -> bool:
     """Deliberate break: the reference run's last checkpoint with rank 1's shard from the step before (a mixed
     checkpoint, which the completeness check cannot see) must resume as not exact."""
@@ -311,7 +368,7 @@ def mixed_checkpoint_control(out: Path, reference: Path, max_steps: int) -> bool
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["raise", "kill", "run"], help="run: one rank of a torchrun job")
+    parser.add_argument("mode", choices=["raise", "kill", "chain", "run"], help="run: one rank of a torchrun job")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -321,9 +378,15 @@ def main() -> None:
     if args.mode == "run":
         os.environ["FAULT_DIR"] = str(args.out)
         return fit(args.out, args.out / "ckpt", args.out, {"max_steps": 6, "fail_rank": args.fail_rank, "fail_step": 2})
-    report = raise_cases(args.out) if args.mode == "raise" else kill_trials(args.out, args.trials, args.seed)
+    if args.mode == "raise":
+        report = raise_cases(args.out)
+    elif args.mode == "kill":
+        report = kill_trials(args.out, args.trials, args.seed)
+    else:  # 6 steps per epoch: 30 and 36 end epochs 4 and 5, 44 is inside epoch 7
+        report = {f"repair_epochs={r}": resume_chain(args.out, [30, 36, 44], r) for r in (True, False)}
+        report["resume_from_nothing"] = resume_from_nothing(args.out / "nothing")
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report if args.mode == "raise" else {k: v for k, v in report.items() if k != "rows"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "rows"} if args.mode == "kill" else report, indent=1))
 
 
 if __name__ == "__main__":

@@ -322,6 +322,25 @@ def test_sigkill_while_training_and_saving_never_leaves_a_checkpoint_that_resume
     assert report["control_mixed_detected"], summary  # the exactness check does catch a mixed checkpoint
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_resumes_at_epoch_ends_keep_the_data_order(tmp_path):
+    """Lightning miscounts epochs after a resume from an epoch's last batch, so the next epoch-end resume used to
+    replay an epoch's permutation (found by the kill test); ``muon_fsdp`` repairs the counters. Also: a resume
+    from a directory without a complete checkpoint fails on every rank with the reason."""
+    proc = subprocess.run(
+        [sys.executable, str(HARNESS), "chain", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    repaired, control = report["repair_epochs=True"], report["repair_epochs=False"]
+    assert repaired["steps"] == list(range(1, 45)), repaired
+    assert repaired["resumed_exactly"] and repaired["mismatched_steps"] == [], repaired
+    assert control["mismatched_steps"], control  # without the repair the curve leaves the uninterrupted one
+    # only rank 0 resolves a directory (the harness makes it an error on the others), its verdict reaches all
+    assert report["resume_from_nothing"] == {"codes": [1, 1], "message_on_every_rank": True}, report
+
+
 # ------------------------------------------------------------------------------------ evaluation cut short
 class FailingGeneration:
     """Fault injection: ``generate`` raises once, during the evaluation at ``step`` (a preemption there)."""
