@@ -280,21 +280,17 @@ class MuonFSDPStrategy(ModelParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """After a resume, set the fit loop's epoch counters to an uninterrupted run's during epoch ``E``
-        (ready = started = E + 1, processed = completed = E).
+        """After a resume mid-epoch, count the epoch being trained as started (ready = started = processed + 1), as
+        an uninterrupted run does.
 
-        Lightning's restart leaves them off by one after a checkpoint at an epoch's last batch (it ends that epoch
-        but skips counting the next one as started), so the next such checkpoint resumes with its sampler epoch
-        one behind: the same permutation again, a different loss curve. Repairing them here, before the first
-        epoch starts, keeps every later epoch and checkpoint right."""
+        From a checkpoint at an epoch's last batch Lightning's restart ends that epoch but does not count the next
+        as started, so the counters stay one behind and the next such checkpoint resumes with its sampler epoch one
+        behind: an epoch's permutation replayed, a different loss curve (found by the SIGKILL test)."""
         super().on_train_start()
-        if self._resumed_epoch is None:
-            return
-        loop, epoch = self.lightning_module.trainer.fit_loop, self._resumed_epoch
-        started = epoch if not loop.restarted_mid_epoch else epoch + 1  # otherwise Lightning counts it next
-        for tracker in (loop.epoch_progress.current, loop.epoch_progress.total):
-            tracker.ready = tracker.started = started
-            tracker.processed = tracker.completed = epoch
+        loop = self.lightning_module.trainer.fit_loop
+        if self._resumed_epoch is not None and loop.restarted_mid_epoch:
+            for tracker in (loop.epoch_progress.current, loop.epoch_progress.total):
+                tracker.ready = tracker.started = tracker.processed + 1
         self._resumed_epoch = None
 
     @override
