@@ -104,6 +104,9 @@ class DiTModule(L.LightningModule):
         optimizer: ``"adamw"``, ``"muon"`` (K=1) or ``"periodic_muon"``.
         lr: Muon lr (``adjust_lr`` scale). adamw_lr: lr of AdamW parameters (all of them for ``"adamw"``).
         weight_decay / betas / momentum / period / rownorm_scale / adjust_lr / ns_dtype: optimizer options.
+        ns_steps / ns_coefficients / ns_normalize / ns_method: how refreshes orthogonalize (optimizer options: the
+            default is torch.optim.Muon's NS5; Turbo-Muon is ``ns_coefficients="turbo_muon"``,
+            ``ns_normalize="aol"``, ``ns_steps=4``; ``ns_method="gram"`` cuts FLOPs on rectangular matrices).
         warmup_steps: linear warm-up; schedule: ``"cosine"`` (to 0 at the last step) or ``"constant"``.
         ema_decay: EMA of the weights (0 disables it).
         cfg_dropout: condition dropout probability.
@@ -139,6 +142,10 @@ class DiTModule(L.LightningModule):
         rownorm_scale: float = 0.15,
         adjust_lr: str = "original",
         ns_dtype: str | None = None,
+        ns_steps: int = 5,
+        ns_coefficients: str = "jordan",
+        ns_normalize: str = "frobenius",
+        ns_method: str = "standard",
         warmup_steps: int = 0,
         schedule: str = "cosine",
         ema_decay: float = 0.999,
@@ -397,6 +404,10 @@ class DiTModule(L.LightningModule):
             weight_decay=h.weight_decay,
             adjust_lr=h.adjust_lr,
             ns_dtype=h.ns_dtype,
+            ns_steps=h.ns_steps,
+            ns_coefficients=h.ns_coefficients,
+            ns_normalize=h.ns_normalize,
+            ns_method=h.ns_method,
             nonfinite=h.nonfinite,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1

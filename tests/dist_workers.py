@@ -22,9 +22,9 @@ def optimizer_kwargs(period, mode, ns_dtype):
     return dict(lr=0.02, period=period, refresh=mode, ns_dtype=ns_dtype, weight_decay=0.01, bucket_mb=0.01)
 
 
-def dense_run(shapes, period, mode, ns_dtype, steps=10):
+def dense_run(shapes, period, mode, ns_dtype, steps=10, extra=None):
     params = [nn.Parameter(p) for p in full_params(shapes)]
-    opt = PeriodicRowwiseMuon(params, **optimizer_kwargs(period, mode, ns_dtype))
+    opt = PeriodicRowwiseMuon(params, **optimizer_kwargs(period, mode, ns_dtype), **(extra or {}))
     for grads in full_grads(shapes, steps):
         for p, g in zip(params, grads):
             p.grad = g.clone()

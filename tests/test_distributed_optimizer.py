@@ -12,6 +12,8 @@ from dist_workers import (
 )
 from helpers import run_distributed
 
+from lightning_muon.optim.kernels import make_orthogonalizer, ns_flops
+
 pytestmark = pytest.mark.distributed
 
 CASES = [
@@ -96,6 +98,24 @@ def test_hsdp_mesh_shards_over_the_shard_dimension_only():
         for rank_results in results:
             for got, want in zip(rank_results[case]["params"], dense):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+TURBO_GRAM = {"ns_coefficients": "turbo_muon", "ns_steps": 4, "ns_normalize": "aol", "ns_method": "gram"}
+
+
+def test_opt_in_orthogonalizer_sharded_equals_dense():
+    """Turbo-Muon with the Gram iteration in both refresh modes on 3 ranks (uneven and empty shards) equals the dense
+    run; the owners' NS FLOPs add up to one dense orthogonalization per matrix, fewer than NS5's."""
+    cases = [(1, "gather", torch.float32, TURBO_GRAM), (3, "scatter", torch.float32, TURBO_GRAM)]
+    results = run_distributed(sharded_run, 3, SHAPES, cases, 4)
+    for case, (period, mode, dtype, extra) in enumerate(cases):
+        dense = dense_run(SHAPES, period, mode, dtype, steps=4, extra=extra)
+        for rank_results in results:
+            for got, want in zip(rank_results[case]["params"], dense):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    ortho = make_orthogonalizer("turbo_muon", 4, normalize="aol", method="gram")
+    assert sum(r[1]["steps"][0]["ns_flops"] for r in results) == sum(ortho.flops(s) for s in SHAPES)
+    assert sum(ortho.flops(s) for s in SHAPES) < sum(ns_flops(s) for s in SHAPES)
 
 
 def test_column_sharded_matrix_is_refused():

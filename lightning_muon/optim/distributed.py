@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.optim.kernels import masked_scalar, ns_flops
+from lightning_muon.optim.kernels import Orthogonalizer, masked_scalar
 
 __all__ = [
     "CommStats",
@@ -152,15 +152,15 @@ class RefreshItem:
     nesterov: bool
     decay: float | Tensor
     scale: float | Tensor
-    ns_key: tuple  # (dtype, steps, coefficients, eps): matrices with equal keys and shapes are batched
+    ortho: Orthogonalizer  # matrices with equal orthogonalizers and shapes are batched
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.ns_key[0]
+        return self.ortho.dtype
 
     @property
-    def ns_steps(self) -> int:
-        return self.ns_key[1]
+    def flops(self) -> int:
+        return self.ortho.flops(self.shard.shape)
 
     def lookahead(self) -> tuple[Tensor, Tensor]:
         """``(M_new, N)`` out of place, op for op as torch.optim.Muon; nothing is written."""
@@ -222,7 +222,7 @@ def local_refresh(
         m_news, ns = zip(*(it.lookahead() for it in bucket))
         orthos = orthogonalize(list(ns), bucket)
         apply_refresh(bucket, m_news, orthos, ok)
-    return sum(ns_flops(it.shard.shape, it.ns_steps) for it in items)
+    return sum(it.flops for it in items)
 
 
 def flag_ok(flags: Tensor) -> Tensor:
@@ -294,7 +294,7 @@ def gather_refresh(
         orthos = [o[slice(*it.shard.rows(it.shard.rank))] for it, o in zip(bucket, orthogonalize(full, bucket))]
         apply_refresh(bucket, m_news, orthos, ok)  # written now: no full matrix outlives its bucket
         del full, orthos, recv
-    return ok, sum(ns_flops(it.shard.shape, it.ns_steps) for it in items)
+    return ok, sum(it.flops for it in items)
 
 
 def assign_owners(costs: Sequence[int], world: int) -> list[int]:
@@ -323,7 +323,7 @@ def scatter_refresh(
     matrices of the step at once. A ``flag`` rides the first all-to-all (one element to every rank).
     Returns the verdict and the NS5 FLOPs of this rank."""
     group, world, rank = items[0].shard.group, items[0].shard.world, items[0].shard.rank
-    owner_of = assign_owners([ns_flops(it.shard.shape, it.ns_steps) for it in items], world)  # over the whole step
+    owner_of = assign_owners([it.flops for it in items], world)  # over the whole step
 
     def exchange(send_parts: list[list[Tensor]], recv_sizes: list[int], dtype, device):
         send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
@@ -363,7 +363,7 @@ def scatter_refresh(
             orthos = [torch.where(ok, o, 0) for o in orthos]  # finite whatever the inputs: nothing NaN travels
         back = [[o[slice(*bucket[j].shard.rows(dst))] for j, o in zip(mine, orthos)] for dst in range(world)]
         sizes = [sum(bucket[j].shard.numel(rank) for j in owned_by[src]) for src in range(world)]
-        flops = sum(ns_flops(bucket[j].shard.shape, bucket[j].ns_steps) for j in mine)
+        flops = sum(bucket[j].flops for j in mine)
         return exchange(back, sizes, recv.dtype, recv.device), bucket, owned_by, m_news, flops
 
     def finish(bwd) -> int:

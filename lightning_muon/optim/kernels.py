@@ -5,13 +5,19 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
+    "NS_PRESETS",
+    "Orthogonalizer",
+    "POLAR_EXPRESS_COEFFICIENTS",
     "default_ns_dtype",
+    "gram_ns_flops",
+    "make_orthogonalizer",
     "newton_schulz",
     "ns_flops",
     "resolve_ns_coefficients",
@@ -22,18 +28,50 @@ __all__ = [
 #: Keller Jordan's quintic coefficients (a, b, c), also torch.optim.Muon's defaults.
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 ADJUST_LR_CHOICES = ("original", "match_rms_adamw")
+NS_METHODS = ("standard", "gram")
+NS_NORMALIZE = ("frobenius", "aol")
 
-Coefficients = tuple[float, float, float] | Sequence[tuple[float, float, float]]
+#: Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv 2505.16932): one optimal odd quintic per iteration,
+#: the 5-step schedule of modded-nanogpt (with its 2% safety factor on the normalization).
+POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+#: Named schedules for ``ns_coefficients``: (triples, normalization safety factor). A schedule runs its triples in
+#: order; ``ns_steps`` truncates it or repeats its last triple (as the Polar Express reference does).
+#: "turbo_muon" is Polar Express without its first triple, for AOL-preconditioned input (Boissin et al. 2025,
+#: arXiv 2512.04632, modded-nanogpt record 2025-11-11: "drop the first iteration of the usual coefficients").
+NS_PRESETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]] = {
+    "jordan": ((DEFAULT_NS_COEFFICIENTS,), 1.0),
+    "polar_express": (POLAR_EXPRESS_COEFFICIENTS, 1.02),
+    "turbo_muon": (POLAR_EXPRESS_COEFFICIENTS[1:], 1.02),
+}
+#: Gram-space iteration: restart (fold Q into X, recompute the Gram) before these iterations, as the
+#: gram-newton-schulz reference recommends for 5 steps (the Gram squares X's condition number).
+GRAM_RESTARTS = (2,)
+
+Coefficients = str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
+Triples = tuple[tuple[float, float, float], ...]
 
 
 def resolve_ns_coefficients(coefficients: Coefficients, steps: int) -> list[tuple[float, float, float]]:
-    """One (a, b, c) triple per iteration: a single triple is repeated ``steps`` times.
+    """One (a, b, c) triple per iteration: a single triple is repeated ``steps`` times; a preset name of
+    :data:`NS_PRESETS` is truncated to ``steps`` or extended with its last triple.
 
     Raises:
-        ValueError: if ``steps < 1`` or a sequence of triples does not have exactly ``steps`` entries.
+        ValueError: if ``steps < 1``, the name is unknown, or a sequence of triples does not have exactly ``steps``
+            entries.
     """
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"Newton-Schulz steps must be a positive integer, got {steps!r}.")
+    if isinstance(coefficients, str):
+        if coefficients not in NS_PRESETS:
+            raise ValueError(f"Unknown ns_coefficients preset {coefficients!r}; choose one of {sorted(NS_PRESETS)}.")
+        schedule = NS_PRESETS[coefficients][0]
+        return [schedule[min(i, len(schedule) - 1)] for i in range(steps)]
     coefficients = tuple(coefficients)
     if len(coefficients) == 3 and all(isinstance(c, (int, float)) for c in coefficients):
         return [tuple(float(c) for c in coefficients)] * steps
@@ -48,12 +86,121 @@ def resolve_ns_coefficients(coefficients: Coefficients, steps: int) -> list[tupl
     return triples
 
 
+@dataclass(frozen=True)
+class Orthogonalizer:
+    r"""How refresh steps approximate the polar factor :math:`UV^\top` (hashable: equal ones are batched together).
+
+    On the wide orientation :math:`X \in \mathbb{R}^{p \times q}`, :math:`p \le q` (tall matrices run the same
+    recursion transposed, written without transposing):
+
+    * normalization ``"frobenius"``: :math:`X_0 = X / (s\lVert X \rVert_F + \varepsilon)` with safety factor
+      :math:`s`; ``"aol"`` (Turbo-Muon, arXiv 2512.04632; AOL, Prach & Lampert 2022): after the Frobenius step,
+      :math:`X_0 = D X / s`, :math:`D = \mathrm{diag}(\sum_j |XX^\top|_{ij})^{-1/2}`, which bounds
+      :math:`\lVert X_0 \rVert_2 \le 1` and moves the small singular values towards 1; its Gram
+      :math:`DXX^\top D` is the first iteration's, so it costs no matmul.
+    * method ``"standard"``: :math:`X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k`, :math:`A_k = X_k X_k^\top`
+      — :math:`4p^2q + 2p^3` FLOPs per iteration. ``"gram"`` (Gram Newton–Schulz, Zhang, Amsel, Chen, Dao 2026):
+      every :math:`X_k = Q_k X_0` with :math:`Q_k` a polynomial in :math:`R_0 = X_0X_0^\top`, so iterate on
+      :math:`p \times p` matrices, :math:`Z = b R + c R^2`, :math:`Q \leftarrow Q(aI + Z)`,
+      :math:`R \leftarrow (aI + Z) R (aI + Z)`, and apply :math:`Q` to :math:`X` once; restarted (``X ← QX``,
+      fresh Gram) before iteration :data:`GRAM_RESTARTS`. Used only where it needs fewer FLOPs than
+      ``"standard"`` (aspect ratio above ≈ 1.5); equal to it in exact arithmetic.
+    """
+
+    coefficients: Triples = (DEFAULT_NS_COEFFICIENTS,) * 5
+    eps: float = 1e-7
+    dtype: torch.dtype = torch.float32
+    normalize: str = "frobenius"
+    method: str = "standard"
+    safety: float = 1.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.coefficients)
+
+    def uses_gram(self, shape: Sequence[int]) -> bool:
+        """Whether ``shape`` runs the Gram-space iteration (method ``"gram"`` and fewer FLOPs than standard)."""
+        return self.method == "gram" and gram_ns_flops(shape, self.steps) < ns_flops(shape, self.steps)
+
+    def flops(self, shape: Sequence[int]) -> int:
+        """Matmul FLOPs of one ``(m, n)`` matrix (the AOL Gram is the first iteration's, so it adds none)."""
+        return gram_ns_flops(shape, self.steps) if self.uses_gram(shape) else ns_flops(shape, self.steps)
+
+    def __call__(self, X: Tensor) -> Tensor:
+        """Orthogonalize a contiguous ``(B, m, n)`` batch in :attr:`dtype`, which it may overwrite."""
+        m, n = X.shape[-2:]
+        tall = m > n
+        X.div_(torch.linalg.matrix_norm(X, keepdim=True).mul_(self.safety).add_(self.eps))
+        A = None
+        if self.normalize == "aol":
+            A = _gram(X, tall)
+            d = A.abs().sum(-1).clamp_min_(self.eps).rsqrt_().div_(self.safety)  # (B, p); AOL is scale-free
+            X.mul_(d.unsqueeze(-2) if tall else d.unsqueeze(-1))
+            A.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))
+        if self.uses_gram((m, n)):
+            return _gram_newton_schulz(X, A, self.coefficients, tall)
+        for k, (a, b, c) in enumerate(self.coefficients):
+            # Tall matrices iterate X <- aX + X(bA + cA²) with A = XᵀX: the transposed recursion written without
+            # transposing (A and bA + cA² are symmetric), so every operand stays contiguous.
+            A = A if k == 0 and A is not None else _gram(X, tall)
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+        return X
+
+
+def _gram(X: Tensor, tall: bool) -> Tensor:
+    """The small-side Gram matrix of a ``(B, m, n)`` batch: XᵀX when tall, else XXᵀ."""
+    return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+
+
+def _gram_newton_schulz(X: Tensor, R: Tensor | None, coefficients: Triples, tall: bool) -> Tensor:
+    """:class:`Orthogonalizer`'s ``"gram"`` method: Q and R are polynomials in the first Gram, so they commute."""
+    apply = (lambda Y, Q: torch.bmm(Y, Q)) if tall else (lambda Y, Q: torch.bmm(Q, Y))
+    R = _gram(X, tall) if R is None else R
+    Q = None
+    last = len(coefficients) - 1
+    for k, (a, b, c) in enumerate(coefficients):
+        if k in GRAM_RESTARTS and Q is not None:
+            X = apply(X, Q)
+            R, Q = _gram(X, tall), None
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # bR + cR²
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # aI + Z
+        else:
+            Q = torch.baddbmm(Q, Q, Z, beta=a)  # Q(aI + Z)
+        if k < last and k + 1 not in GRAM_RESTARTS:
+            RZ = torch.baddbmm(R, R, Z, beta=a)  # R(aI + Z)
+            R = torch.baddbmm(RZ, Z, RZ, beta=a)  # (aI + Z) R (aI + Z)
+    return apply(X, Q)
+
+
+def make_orthogonalizer(
+    coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.float32,
+    normalize: str = "frobenius",
+    method: str = "standard",
+) -> Orthogonalizer:
+    """An :class:`Orthogonalizer` from the optimizer's options (validated; a preset brings its safety factor)."""
+    if normalize not in NS_NORMALIZE:
+        raise ValueError(f"ns_normalize must be one of {NS_NORMALIZE}, got {normalize!r}.")
+    if method not in NS_METHODS:
+        raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}.")
+    safety = NS_PRESETS[coefficients][1] if isinstance(coefficients, str) and coefficients in NS_PRESETS else 1.0
+    triples = tuple(map(tuple, resolve_ns_coefficients(coefficients, steps)))
+    return Orthogonalizer(triples, eps, dtype, normalize, method, safety)
+
+
 def newton_schulz(
     X: Tensor,
     steps: int = 5,
     coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS,
     eps: float = 1e-7,
     dtype: torch.dtype | None = torch.bfloat16,
+    normalize: str = "frobenius",
+    method: str = "standard",
 ) -> Tensor:
     r"""Approximate the polar factor :math:`UV^\top` of each matrix in a ``(..., m, n)`` batch.
 
@@ -63,14 +210,18 @@ def newton_schulz(
         X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k
 
     The Gram matrix is the small side, ``min(m, n)²`` (for ``m > n`` the same recursion on :math:`X^\top`).
-    With the default coefficients the singular values land in roughly [0.7, 1.2] (Keller Jordan).
+    With the default coefficients the singular values land in roughly [0.7, 1.2] (Keller Jordan). The opt-in
+    ``normalize="aol"``, ``method="gram"`` and coefficient presets are described in :class:`Orthogonalizer`.
 
     Args:
         X: matrices, ``(..., m, n)``.
         steps: number of quintic iterations.
-        coefficients: one (a, b, c) triple for every step, or a sequence with one triple per step.
+        coefficients: one (a, b, c) triple for every step, a sequence with one triple per step, or a preset name
+            of :data:`NS_PRESETS` (``"jordan"``, ``"polar_express"``, ``"turbo_muon"``).
         eps: added to the Frobenius norm before normalizing.
         dtype: computation dtype (``None`` keeps ``X.dtype``).
+        normalize: ``"frobenius"`` or ``"aol"``.
+        method: ``"standard"`` or ``"gram"``.
 
     Returns:
         Tensor of shape ``X.shape`` in ``dtype``.
@@ -78,23 +229,9 @@ def newton_schulz(
     if X.ndim < 2:
         raise ValueError(f"newton_schulz needs matrices (..., m, n), got shape {tuple(X.shape)}.")
     batch_shape, (m, n) = X.shape[:-2], X.shape[-2:]
-    X = X.to(dtype or X.dtype, copy=True).reshape(-1, m, n)
-    return newton_schulz_(X, steps, coefficients, eps).reshape(*batch_shape, m, n)
-
-
-def newton_schulz_(X: Tensor, steps: int, coefficients: Coefficients, eps: float) -> Tensor:
-    """:func:`newton_schulz` on a contiguous ``(B, m, n)`` batch that it may overwrite (normalized in place)."""
-    triples = resolve_ns_coefficients(coefficients, steps)
-    m, n = X.shape[-2:]
-    X.div_(torch.linalg.matrix_norm(X, keepdim=True).add_(eps))
-    tall = m > n
-    for a, b, c in triples:
-        # Tall matrices iterate X <- aX + X(bA + cA²) with A = XᵀX: the transposed recursion written without
-        # transposing (A and bA + cA² are symmetric), so every operand stays contiguous.
-        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
-    return X
+    ortho = make_orthogonalizer(coefficients, steps, eps, dtype or X.dtype, normalize, method)
+    X = X.to(ortho.dtype, copy=True).reshape(-1, m, n)
+    return ortho(X).reshape(*batch_shape, m, n)
 
 
 def row_norm(X: Tensor, eps: float = 1e-7) -> Tensor:
@@ -189,10 +326,20 @@ def shape_factor(shape: Sequence[int], adjust_lr: str = "original") -> float:
 
 
 def ns_flops(shape: Sequence[int], steps: int = 5) -> int:
-    """Multiply-add FLOPs of :func:`newton_schulz` on one ``(m, n)`` matrix: per step 2·p²q (Gram), 2·p³ (A²)
+    """Multiply-add FLOPs of standard Newton–Schulz on one ``(m, n)`` matrix: per step 2·p²q (Gram), 2·p³ (A²)
     and 2·p²q (product), with p = min(m, n), q = max(m, n)."""
     p, q = sorted((shape[-2], shape[-1]))
     return steps * (4 * p * p * q + 2 * p**3)
+
+
+def gram_ns_flops(shape: Sequence[int], steps: int = 5) -> int:
+    """FLOPs of the Gram-space iteration: 2·p²q for the first Gram and 2·p²q for the final Q·X, 2·p³ per p×p
+    product (Z, Q, R·Z, Z·RZ; the first Q and the last R need none), and 4·p²q per restart (X ← QX, its Gram)."""
+    p, q = sorted((shape[-2], shape[-1]))
+    restarts = [k for k in GRAM_RESTARTS if 0 < k < steps]
+    cut = set(restarts) | {0}
+    products = sum(1 + (k not in cut) + 2 * (k + 1 < steps and k + 1 not in restarts) for k in range(steps))
+    return 4 * p * p * q + 4 * p * p * q * len(restarts) + 2 * p**3 * products
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:
