@@ -51,6 +51,7 @@ COLUMNS = [
     "wall_seconds",
     "role",
     "device",
+    "variant",
 ]
 
 #: the configurations: the digits resolution, DiT kwargs and the default step budget (equal for every arm)
@@ -87,6 +88,13 @@ CONFIGS = {
 ARMS = {"adamw": ("adamw", 1, 0.0), "muon": ("muon", 1, 0.0), "periodic": ("periodic_muon", 3, 0.15)}
 LRS = {"adamw": (3e-4, 1e-3, 3e-3), "muon": (0.01, 0.02, 0.05), "periodic": (0.01, 0.02, 0.05)}
 PERIODS, SCALES = (1, 2, 3, 4, 6), (0.05, 0.1, 0.15, 0.3)
+#: optimizer variants compared with the default on the first configuration at the chosen learning rates, for Muon
+#: (K=1) and Periodic (K=3): DiTModule options on top of the arm. "ns5" is the default every other run uses.
+VARIANTS = {
+    "ns5": {},
+    "polar_express": {"ns_coefficients": "polar_express", "ns_method": "gram"},
+    "turbo_muon": {"ns_coefficients": "turbo_muon", "ns_steps": 4, "ns_normalize": "aol", "ns_method": "gram"},
+}
 PLOTS = "quality_study_"  # prefix of the PNG files beside the CSV
 
 
@@ -98,7 +106,8 @@ class Run:
     rownorm_scale: float
     lr: float
     seed: int
-    role: str  # "sweep", "seeds", "ablation_k", "ablation_gamma"
+    role: str  # "sweep", "seeds", "ablation_k", "ablation_gamma", "variants"
+    variant: str = "ns5"
 
     @property
     def optimizer(self) -> str:
@@ -108,10 +117,11 @@ class Run:
 
     @property
     def key(self) -> tuple:
-        """(config, optimizer, K, γ, lr, seed) as the CSV rows spell them (K=1 and γ=0 outside periodic_muon)."""
+        """(config, optimizer, K, γ, lr, seed, variant) as the CSV rows spell them (K=1 and γ=0 outside
+        periodic_muon)."""
         periodic = self.optimizer == "periodic_muon"
         period, scale = (self.period, round(self.rownorm_scale, 6)) if periodic else (1, 0.0)
-        return (self.config, self.optimizer, period, scale, self.lr, self.seed)
+        return (self.config, self.optimizer, period, scale, self.lr, self.seed, self.variant)
 
 
 def run_key(row: dict[str, Any]) -> tuple:
@@ -122,6 +132,7 @@ def run_key(row: dict[str, Any]) -> tuple:
         round(float(row["rownorm_scale"]), 6),
         float(row["lr"]),
         int(row["seed"]),
+        row.get("variant") or "ns5",
     )
 
 
@@ -140,7 +151,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     L.seed_everything(run.seed, verbose=False)
     spec = CONFIGS[run.config]
     steps, eval_every = budget(run.config, args)
-    _, optimizer, period, scale, _, _ = run.key
+    _, optimizer, period, scale, *_ = run.key
     lr = {"lr": run.lr} if optimizer != "adamw" else {"adamw_lr": run.lr}
     module = DiTModule(
         model_config=spec["model_config"],
@@ -153,6 +164,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
         cfg_dropout=0.1,
         nonfinite="skip",
         **lr,
+        **VARIANTS[run.variant],
     )
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
 
@@ -239,6 +251,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "wall_seconds": wall_s,
                 "role": run.role,
                 "device": args.device_label,
+                "variant": run.variant,
             }
         )
     return rows
@@ -308,6 +321,13 @@ def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[list[Run
         for seed in range(args.seed0, args.seed0 + args.ablation_seeds):
             later += [Run(config, "periodic", k, 0.15, lr, seed, "ablation_k") for k in args.periods]
             later += [Run(config, "periodic", 3, g, lr, seed, "ablation_gamma") for g in args.scales]
+    config = args.configs[0]
+    for arm in ("muon", "periodic"):
+        _, period, scale = ARMS[arm]
+        lr = chosen_lr(rows, config, arm, args)
+        for variant in args.variants:
+            seeds = range(args.seed0, args.seed0 + args.seeds)
+            later += [Run(config, arm, period, scale, lr, seed, "variants", variant) for seed in seeds]
     return sweep, later
 
 
@@ -359,10 +379,13 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
 
 
-def per_run(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+def per_run(rows: list[dict[str, Any]], variant: str = "ns5") -> dict[tuple, list[dict[str, Any]]]:
+    """Rows of each run of ``variant``, by (config, optimizer, K, γ, lr, seed), in step order."""
     runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        runs[run_key(r)].append(r)
+        key = run_key(r)
+        if key[6] == variant:
+            runs[key[:6]].append(r)
     for v in runs.values():
         v.sort(key=lambda r: int(r["step"]))
     return runs
@@ -385,10 +408,18 @@ def summarize(run_rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def arm_stats(rows: list[dict[str, Any]], config: str, optimizer: str, period: int, scale: float, lr: float | None):
+def arm_stats(
+    rows: list[dict[str, Any]],
+    config: str,
+    optimizer: str,
+    period: int,
+    scale: float,
+    lr: float | None,
+    variant: str = "ns5",
+):
     """Per-seed summaries of one arm at one learning rate (default: every seed at the chosen rate)."""
     out = []
-    for key, run_rows in per_run(rows).items():
+    for key, run_rows in per_run(rows, variant).items():
         c, o, k, g, run_lr, _ = key
         if (c, o, k, g) == (config, optimizer, period, round(scale, 6)) and (lr is None or run_lr == lr):
             out.append(summarize(run_rows))
@@ -416,6 +447,7 @@ def two_se_differs(a: list[float], b: list[float]) -> str:
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) -> str:
     """quality_study.md (tables in the paper's form) and the PNG plots, from the CSV rows."""
+    done = {run_key(r) for r in rows}
     lines = [
         "# Quality study",
         "",
@@ -423,8 +455,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) 
         "`python benchmarks/quality_study.py --report-only`. Mean ± std over seeds; 'beyond 2 SE' says whether a "
         "difference exceeds two standard errors of the difference of means.",
         "",
-        f"Runs in the CSV: {len(per_run(rows))} of the {args.planned} these flags plan"
-        + ("." if len(per_run(rows)) >= args.planned else " (partial: run the command again to train the rest)."),
+        f"Runs in the CSV: {len(done)} of the {args.planned} these flags plan"
+        + ("." if len(done) >= args.planned else " (partial: run the command again to train the rest)."),
         "",
     ]
     for config in args.configs:
@@ -483,6 +515,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) 
         plot_curves(rows, config, stats_keys(config, lrs), out_dir)
     if args.ablations:
         lines += ablation_tables(rows, args, out_dir)
+    if args.variants:
+        lines += variant_table(rows, args)
     text = "\n".join(lines) + "\n"
     (out_dir / "quality_study.md").write_text(text)
     return text
@@ -580,6 +614,41 @@ def ablation_tables(rows, args: argparse.Namespace, out_dir: Path) -> list[str]:
     return lines
 
 
+def variant_table(rows, args: argparse.Namespace) -> list[str]:
+    """Each optimizer variant against the default NS5 at the same arm, learning rate and seeds."""
+    config = args.configs[0]
+    lines = [
+        f"## Orthogonalizers ({config}, the chosen learning rates, seeds {args.seed0}…{args.seed0 + args.seeds - 1})",
+        "",
+        "| arm | variant | seeds | best FD | vs ns5 | beyond 2 SE | final val loss | vs ns5 | beyond 2 SE | "
+        "optimizer ms/step |",
+        "|---|---|---:|---:|---:|---|---:|---:|---|---:|",
+    ]
+    for arm in ("muon", "periodic"):
+        opt, k, g = ARMS[arm]
+        opt = "muon" if k == 1 else opt
+        lr, scale = chosen_lr(rows, config, arm, args), g if opt == "periodic_muon" else 0.0
+        seeds = range(args.seed0, args.seed0 + args.seeds)
+        base = None
+        for variant in ("ns5", *args.variants):
+            s = [
+                summarize(v)
+                for key, v in per_run(rows, variant).items()
+                if key[:5] == (config, opt, k, round(scale, 6), lr) and key[5] in seeds
+            ]
+            if not s:
+                continue
+            fd, vl = [x["best_fd"] for x in s], [x["val_loss"] for x in s]
+            base_fd, base_vl = base = base or (fd, vl)
+            (m_fd, s_fd), (m_vl, s_vl) = mean_std(fd), mean_std(vl)
+            lines.append(
+                f"| {arm} | {variant} | {len(s)} | {fmt(m_fd, s_fd)} | {change(m_fd, mean_std(base_fd)[0])} | "
+                f"{two_se_differs(fd, base_fd)} | {fmt(m_vl, s_vl, 4)} | {change(m_vl, mean_std(base_vl)[0])} | "
+                f"{two_se_differs(vl, base_vl)} | {fmt(*mean_std([x['opt_ms'] for x in s]), 1)} |"
+            )
+    return lines + [""]
+
+
 # --------------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -593,6 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm at the chosen learning rate")
     parser.add_argument("--ablation-seeds", type=int, default=2)
     parser.add_argument("--no-ablations", dest="ablations", action="store_false")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=[v for v in VARIANTS if v != "ns5"],
+        choices=[v for v in VARIANTS if v != "ns5"],
+        help="optimizer variants compared with NS5 at K=1 and K=3 (none: --variants with no value)",
+    )
     parser.add_argument("--seed0", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="parallel runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -607,6 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.configs, args.steps, args.eval_every, args.samples, args.inference_steps = ["digits8"], 40, 20, 100, 4
         args.seeds, args.ablation_seeds, args.periods, args.scales = 2, 1, (1, 3), (0.15,)
+        args.variants = args.variants[-1:]
         args.lrs = {"adamw": (1e-3, 3e-3), "muon": (0.02, 0.05), "periodic": (0.02, 0.05)}
     else:
         args.periods, args.scales, args.lrs = PERIODS, SCALES, LRS
@@ -628,7 +705,10 @@ def main(argv: list[str] | None = None) -> None:
         _, later = plan(rows, args)  # the chosen learning rates are known now
         execute(later, rows, args, csv_path)
     args.planned = len({run.key for run in [r for part in plan(rows, args) for r in part]})
-    (out / "quality_study.json").write_text(json.dumps({"command": args.command, "machine": args.machine}))
+    provenance = out / "quality_study.json"
+    if args.report_only and provenance.is_file():  # the page keeps naming the command that trained the runs
+        vars(args).update(json.loads(provenance.read_text()))
+    provenance.write_text(json.dumps({"command": args.command, "machine": args.machine}))
     print(report(rows, args, out))
 
 

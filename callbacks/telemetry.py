@@ -61,6 +61,9 @@ class OptimizerTelemetry(Callback):
     - ``optim/refresh``: 1 when the step ran NS5 refreshes, 0 on RowNorm steps (PeriodicRowwiseMuon).
     - ``optim/<branch>_bytes_sent`` / ``_bytes_received`` / ``_collectives``: ``comm_stats()`` since the last log.
     - ``optim/nonfinite_skipped``: steps skipped for NaN/inf gradients so far.
+    - ``optim/refreshes/group<i>`` and ``optim/refreshes/<parameter>``: NS5 refreshes so far per Muon group and per
+      matrix (:meth:`~lightning_muon.PeriodicRowwiseMuon.refresh_counts`; per matrix they differ under the adaptive
+      schedule).
     - ``optim/grad_norm/group<i>`` and ``optim/update_rms/group<i>`` (RMS of the parameter change of that step): one
       bucketed all-reduce for all groups.
     """
@@ -112,6 +115,7 @@ class OptimizerTelemetry(Callback):
             values["optim/nonfinite_skipped"] = float(optimizer.nonfinite_steps_skipped)
             for branch, stats in optimizer.comm_stats().items():
                 values.update({f"optim/{branch}_{k}": float(v) for k, v in stats.items()})
+            values.update({f"optim/refreshes/{k}": float(v) for k, v in optimizer.refresh_counts().items()})
         groups = optimizer.param_groups
         deltas = [[p.detach() - b for p, b in zip(g["params"], before)] for g, before in zip(groups, self._before)]
         update_sq = squared_norms(deltas).tolist()

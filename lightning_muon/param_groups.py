@@ -8,10 +8,23 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["BLOCK_PATTERN", "EMBEDDER_PATTERN", "check_param_coverage", "describe_param_groups", "muon_param_groups"]
+__all__ = [
+    "BLOCK_PATTERN",
+    "EMBEDDER_PATTERN",
+    "LAYER_TYPES",
+    "check_param_coverage",
+    "describe_param_groups",
+    "muon_param_groups",
+]
 
 #: Parameters inside a transformer block (diffusers ``transformer_blocks.i``, DiT/timm-style ``blocks.i``).
 BLOCK_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+\."
+#: Layer types of a diffusers DiT block, usable as override keys: ``overrides={"attention": {"period": 2}}``.
+LAYER_TYPES = {
+    "attention": r"\.attn\d*\.",
+    "feed_forward": r"\.ff\.",
+    "modulation": r"\.norm1\.linear\.",
+}
 #: Conditioning embedders that diffusers nests inside blocks (``transformer_blocks.i.norm1.emb.*``) stay on AdamW.
 EMBEDDER_PATTERN = r"(^|\.)(emb|embedder|embedding|embeddings|[a-z_]*_embedder|[a-z_]*_embedding)\."
 
@@ -45,9 +58,12 @@ def muon_param_groups(
         model: the network.
         muon: options for Muon groups (e.g. ``{"lr": 0.02}``).
         adamw: options for AdamW groups (e.g. ``{"lr": 3e-4, "weight_decay": 0.0}``).
-        overrides: ``(regex, options)`` pairs matched with :func:`re.search` against parameter names; ``options``
-            may set ``use_muon`` to move parameters between branches and any option of that branch. A parameter
-            matched by two patterns, or a pattern that matches nothing, is an error.
+        overrides: ``(regex, options)`` pairs matched with :func:`re.search` against parameter names (a key of
+            :data:`LAYER_TYPES` — ``"attention"``, ``"feed_forward"``, ``"modulation"`` — stands for the Muon matrices
+            of that layer type);
+            ``options`` may set ``use_muon`` to move parameters between branches and any option of that branch, e.g.
+            layer-wise ``period`` / ``rownorm_scale`` / ``schedule``. A parameter matched by two patterns, or a
+            pattern that matches nothing, is an error.
 
     Returns:
         Groups of parameters with identical options, each with ``params``, ``param_names`` and ``use_muon``.
@@ -56,15 +72,20 @@ def muon_param_groups(
     compiled = []
     for pattern, options in override_items:
         try:
-            compiled.append((re.compile(pattern), dict(options)))
+            compiled.append((re.compile(LAYER_TYPES.get(pattern, pattern)), dict(options), pattern in LAYER_TYPES))
         except re.error as err:
             raise ValueError(f"Invalid override pattern {pattern!r}: {err}.") from err
-    hits = {pattern: 0 for pattern, _ in override_items}
+    hits = {regex.pattern: 0 for regex, _, _ in compiled}
     modules = dict(model.named_modules())
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in model.named_parameters():
         module = modules[name.rpartition(".")[0]]
-        matches = [(regex, options) for regex, options in compiled if regex.search(name)]
+        default = _default_use_muon(name, module, param)
+        matches = [
+            (regex, options)
+            for regex, options, matrices_only in compiled
+            if regex.search(name) and (default or not matrices_only)
+        ]
         if len(matches) > 1:
             raise ValueError(
                 f"Parameter {name!r} matches several override patterns {[r.pattern for r, _ in matches]}; "
@@ -73,7 +94,7 @@ def muon_param_groups(
         options = dict(matches[0][1]) if matches else {}
         if matches:
             hits[matches[0][0].pattern] += 1
-        use_muon = options.pop("use_muon", _default_use_muon(name, module, param))
+        use_muon = options.pop("use_muon", default)
         if use_muon and param.ndim != 2:
             raise ValueError(f"Override sends {name!r} with shape {tuple(param.shape)} to Muon, which needs 2-D.")
         options = {**dict((muon if use_muon else adamw) or {}), **options}

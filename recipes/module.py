@@ -107,6 +107,12 @@ class DiTModule(L.LightningModule):
         ns_steps / ns_coefficients / ns_normalize / ns_method: how refreshes orthogonalize (optimizer options: the
             default is torch.optim.Muon's NS5; Turbo-Muon is ``ns_coefficients="turbo_muon"``,
             ``ns_normalize="aol"``, ``ns_steps=4``; ``ns_method="gram"`` cuts FLOPs on rectangular matrices).
+        refresh_schedule / drift_threshold / min_period / max_period: the optimizer's ``schedule`` (``"fixed"``: every
+            ``period`` steps, or ``"adaptive"``: per matrix on momentum drift; see
+            :class:`~lightning_muon.PeriodicRowwiseMuon`).
+        param_overrides: layer-wise options of Muon groups, ``{pattern or layer type: options}`` for
+            :func:`~lightning_muon.muon_param_groups` (e.g. ``{"attention": {"period": 2}, "feed_forward":
+            {"period": 4}}``).
         warmup_steps: linear warm-up; schedule: ``"cosine"`` (to 0 at the last step) or ``"constant"``.
         ema_decay: EMA of the weights (0 disables it).
         cfg_dropout: condition dropout probability.
@@ -146,6 +152,11 @@ class DiTModule(L.LightningModule):
         ns_coefficients: str = "jordan",
         ns_normalize: str = "frobenius",
         ns_method: str = "standard",
+        refresh_schedule: str = "fixed",
+        drift_threshold: float = 0.05,
+        min_period: int = 1,
+        max_period: int | None = None,
+        param_overrides: dict[str, dict[str, Any]] | None = None,
         warmup_steps: int = 0,
         schedule: str = "cosine",
         ema_decay: float = 0.999,
@@ -394,7 +405,7 @@ class DiTModule(L.LightningModule):
         if h.optimizer == "adamw":  # every parameter on AdamW: PeriodicRowwiseMuon's AdamW groups are torch's AdamW
             groups = [{"params": list(self.model.named_parameters()), "use_muon": False, **adamw}]
         else:
-            groups = muon_param_groups(self.model, adamw=adamw)
+            groups = muon_param_groups(self.model, adamw=adamw, overrides=h.param_overrides or {})
         opt = PeriodicRowwiseMuon(
             groups,
             lr=h.lr,
@@ -408,6 +419,10 @@ class DiTModule(L.LightningModule):
             ns_coefficients=h.ns_coefficients,
             ns_normalize=h.ns_normalize,
             ns_method=h.ns_method,
+            schedule=h.refresh_schedule,
+            drift_threshold=h.drift_threshold,
+            min_period=h.min_period,
+            max_period=h.max_period,
             nonfinite=h.nonfinite,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1

@@ -262,6 +262,14 @@ def rownorm_sumsq(M: Tensor, G: Tensor, beta: float, nesterov: bool, dim: int) -
     return N.square_().sum(dim=dim, keepdim=True)  # eager: 7x faster than vector_norm across rows (dim=-2)
 
 
+def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim: int) -> tuple[Tensor, Tensor]:
+    r"""Sums along ``dim`` (kept) of :math:`N \odot R` and :math:`R^2` for the adaptive schedule's drift, with N the
+    look-ahead this step will produce (as :func:`rownorm_sumsq`, read-only) and R the look-ahead of the last refresh.
+    Sums, not cosines, so that shards can be added up."""
+    N = torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
+    return (N * R).sum(dim=dim, keepdim=True), R.square().sum(dim=dim, keepdim=True)
+
+
 def masked_scalar(ok: Tensor, value: float | Tensor, identity: float, like: Tensor) -> Tensor:
     """``value`` where the device verdict ``ok`` holds, else ``identity``: a 0-d tensor in ``like``'s dtype and device
     (rounded as the Python scalar would be), made without a host synchronization."""

@@ -31,6 +31,7 @@ from lightning_muon.optim.kernels import (
     Orthogonalizer,
     compiled_rownorm_kernels,
     default_ns_dtype,
+    drift_sums,
     make_orthogonalizer,
     masked_scalar,
     row_norm_dim,
@@ -57,9 +58,14 @@ MUON_KEYS = (
     "ns_normalize",
     "ns_method",
     "adjust_lr",
+    "schedule",
+    "drift_threshold",
+    "min_period",
+    "max_period",
 )
 ADAMW_KEYS = ("lr", "betas", "momentum", "eps", "weight_decay")
 NONFINITE_MODES = ("skip", "raise", "ignore")
+SCHEDULES = ("fixed", "adaptive")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 #: Same-shape matrices are orthogonalized as one batch of at most this many bytes (in the NS dtype).
 MAX_NS_BATCH_BYTES = 512 * 2**20
@@ -79,6 +85,9 @@ class _Work:
     rownorm: list[int] = field(default_factory=list)
     sumsq: list[Tensor | None] = field(default_factory=list)
     partial: list[bool] = field(default_factory=list)
+    early: list[bool] = field(default_factory=list)  # statistics needed before the all-reduce is launched
+    drift_parts: list[list[Tensor]] = field(default_factory=list)  # adaptive: sums whose cross-rank total is needed
+    drift: list[Tensor | None] = field(default_factory=list)  # adaptive: the step's drift, once reduced
 
 
 class PeriodicRowwiseMuon(Optimizer):
@@ -134,6 +143,16 @@ class PeriodicRowwiseMuon(Optimizer):
         ns_method: ``"standard"`` (default) or ``"gram"``: the Gram-space iteration on min(m, n)² matrices for
             rectangular matrices where it needs fewer FLOPs (≈ 0.6-0.7x at 4:1 and 6:1), equal in exact arithmetic.
         adjust_lr: shape factor :math:`s(m, n)`: ``"original"`` or ``"match_rms_adamw"``.
+        schedule: when matrices refresh. ``"fixed"`` (default): every ``period`` steps, all matrices of a group
+            together (layer-wise K and γ: give groups their own ``period`` / ``rownorm_scale``, e.g. through
+            ``muon_param_groups(overrides={"attention": {"period": 2}})``). ``"adaptive"``: each matrix on its own,
+            when the drift :math:`1 - \frac1p\sum_i \cos(n_i, r_i)` of the oriented rows of its look-ahead N from
+            those of the look-ahead at its last refresh passed ``drift_threshold`` on the previous step (measured on
+            RowNorm steps from sums that ride the statistics all-reduce: identical on every rank, no extra
+            collective), bounded by ``min_period`` and ``max_period`` (``None``: ``period``) steps between refreshes.
+            Adaptive matrices keep one more shard-sized buffer (that reference) and host counters, all checkpointed;
+            :meth:`refresh_counts` reads how often each refreshed.
+        drift_threshold / min_period / max_period: the adaptive schedule's bounds (above).
         adamw_lr: default lr of AdamW groups (``None``: ``lr``).
         betas: AdamW :math:`(\beta_1, \beta_2)`.
         eps: AdamW epsilon.
@@ -172,6 +191,10 @@ class PeriodicRowwiseMuon(Optimizer):
         ns_normalize: str = "frobenius",
         ns_method: str = "standard",
         adjust_lr: str = "original",
+        schedule: str = "fixed",
+        drift_threshold: float = 0.05,
+        min_period: int = 1,
+        max_period: int | None = None,
         adamw_lr: float | Tensor | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
@@ -203,6 +226,10 @@ class PeriodicRowwiseMuon(Optimizer):
             ns_normalize=ns_normalize,
             ns_method=ns_method,
             adjust_lr=adjust_lr,
+            schedule=schedule,
+            drift_threshold=drift_threshold,
+            min_period=min_period,
+            max_period=max_period,
         )
         self._adamw_defaults = dict(
             lr=lr if adamw_lr is None else adamw_lr,
@@ -215,6 +242,7 @@ class PeriodicRowwiseMuon(Optimizer):
         self.last_branches = {"refresh": 0, "rownorm": 0}
         self.last_ns_flops = 0
         self._skipped: Tensor | None = None
+        self._drift_ready: dict[int, Any] = {}
         self._comm = CommStats()
         # "momentum" in the defaults tells torch's cyclic schedulers to cycle group["momentum"] (see ``momentum``)
         super().__init__(params, {"use_muon": True, "momentum": momentum})
@@ -255,6 +283,7 @@ class PeriodicRowwiseMuon(Optimizer):
         self.__dict__.setdefault("foreach", True)
         self.__dict__.setdefault("fused", False)
         self.__dict__.setdefault("_skipped", None)
+        self.__dict__.setdefault("_drift_ready", {})
         self.__dict__.setdefault("last_branches", {"refresh": 0, "rownorm": 0})
         self.__dict__.setdefault("last_ns_flops", 0)
         self.__dict__.setdefault("_comm", CommStats())
@@ -269,6 +298,9 @@ class PeriodicRowwiseMuon(Optimizer):
                 group.setdefault("ns_dtype", None)
                 group.setdefault("ns_normalize", "frobenius")
                 group.setdefault("ns_method", "standard")
+                for key, value in (("schedule", "fixed"), ("drift_threshold", 0.05), ("min_period", 1)):
+                    group.setdefault(key, value)
+                group.setdefault("max_period", None)
             else:
                 group.setdefault("momentum", tuple(group["betas"])[0])
 
@@ -342,6 +374,11 @@ class PeriodicRowwiseMuon(Optimizer):
             if not state:
                 if group["use_muon"]:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group["schedule"] == "adaptive":  # host counters (as AdamW's step) and the last refresh's N
+                        state["refresh_momentum"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state["refresh_age"] = torch.tensor(-1, dtype=torch.int64)
+                        state["refresh_drift"] = torch.tensor(0.0, dtype=torch.float32)
+                        state["refreshes"] = torch.tensor(0, dtype=torch.int64)
                 else:  # as torch.optim.AdamW: a CPU step count, so bias corrections are host floats
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -358,20 +395,59 @@ class PeriodicRowwiseMuon(Optimizer):
         if not group["use_muon"] or not work.params:
             return
         index = list(range(len(work.params)))
-        refresh = group["step"] % group["period"] == 0
-        work.refresh, work.rownorm = (index, []) if refresh else ([], index)
+        if group["schedule"] == "adaptive":
+            due = [i for i in index if self._due(group, self.state[work.params[i]])]
+            work.refresh, work.rownorm = due, [i for i in index if i not in set(due)]
+        else:
+            refresh = group["step"] % group["period"] == 0
+            work.refresh, work.rownorm = (index, []) if refresh else ([], index)
         work.partial = [row_norm_dim(work.shards[i].shape) == -2 and work.shards[i].sharded for i in work.rownorm]
+        adaptive = group["schedule"] == "adaptive"
+        work.early = [part or (adaptive and work.shards[i].sharded) for i, part in zip(work.rownorm, work.partial)]
         work.sumsq = [None] * len(work.rownorm)
+        work.drift_parts = [[] for _ in work.rownorm]
+        work.drift = [None] * len(work.rownorm)
 
-    def _row_statistics(self, works: list[_Work], partial: bool | None) -> None:
-        """Read-only: Σ N² along each RowNorm matrix's reduction axis, for the partial, local or (None) all ones."""
+    def _due(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        r"""Adaptive schedule: refresh when never refreshed, when ``max_period`` steps have passed, or when at least
+        ``min_period`` have and the drift measured on the last step passed ``drift_threshold`` (host values: the
+        drift was copied to the host on the step it was measured)."""
+        age = int(state["refresh_age"])
+        if age < 0 or age >= _max_period(group):
+            return True
+        if age < group["min_period"]:
+            return False
+        ready = self._drift_ready.pop(id(state), None)
+        if ready is not None:
+            ready.synchronize()
+        return float(state["refresh_drift"]) > group["drift_threshold"]
+
+    def _row_statistics(self, works: list[_Work], early: bool | None) -> None:
+        """Read-only: Σ N² along each RowNorm matrix's reduction axis, for the matrices needed before the all-reduce
+        (``early``), the others, or (None) all; adaptive matrices also their drift sums (:func:`drift_sums`)."""
         sumsq_fn = compiled_rownorm_kernels()[0] if self.fused else rownorm_sumsq
         for group, work in zip(self.param_groups, works):
-            for j, (i, part) in enumerate(zip(work.rownorm, work.partial)):
-                if partial is None or part == partial:
-                    buf = _local(self.state[work.params[i]]["momentum_buffer"])
-                    dim = row_norm_dim(work.shards[i].shape)
-                    work.sumsq[j] = sumsq_fn(buf, work.grads[i], group["momentum"], group["nesterov"], dim)
+            for j, (i, first) in enumerate(zip(work.rownorm, work.early)):
+                if early is not None and first != early:
+                    continue
+                state = self.state[work.params[i]]
+                buf, dim = _local(state["momentum_buffer"]), row_norm_dim(work.shards[i].shape)
+                work.sumsq[j] = sumsq_fn(buf, work.grads[i], group["momentum"], group["nesterov"], dim)
+                if group["schedule"] == "adaptive":
+                    ref = _local(state["refresh_momentum"])
+                    dot, rr = drift_sums(buf, work.grads[i], ref, group["momentum"], group["nesterov"], dim)
+                    # tall: per-column sums, partial over ranks; wide: whole rows, so the cosines add up here
+                    work.drift_parts[j] = [dot, rr] if dim == -2 else [_cosines(dot, work.sumsq[j], rr).sum()]
+
+    def _finish_drift(self, works: list[_Work]) -> None:
+        r"""Drift of each adaptive RowNorm matrix from its reduced sums: :math:`1 - \frac1p\sum_i \cos(n_i, r_i)`
+        over the p oriented rows of N (the look-ahead) and R (the look-ahead of the last refresh)."""
+        for work in works:
+            for j, (i, parts) in enumerate(zip(work.rownorm, work.drift_parts)):
+                if parts:
+                    m, n = work.shards[i].shape
+                    total = _cosines(parts[0], work.sumsq[j], parts[1]).sum() if len(parts) == 2 else parts[0]
+                    work.drift[j] = 1 - total.float() / min(m, n)
 
     def _local_flag(self, works: list[_Work]) -> Tensor:
         """0 when every local gradient is finite, else NaN (float32, on the device): RowNorm matrices through their
@@ -392,29 +468,37 @@ class PeriodicRowwiseMuon(Optimizer):
         and nothing is checked (or the flag rides the refresh's collectives).
         """
         checking = self.nonfinite != "ignore"
-        partials_exist = any(any(w.partial) for w in works)
+        partials_exist = any(any(w.early) for w in works)
         group = next((pg for w in works for pg in w.groups_of if pg is not None), None)
         if group is None or not (partials_exist or checking):
-            self._row_statistics(works, partial=None)
+            self._row_statistics(works, early=None)
+            self._finish_drift(works)
             return (flag_ok(self._local_flag(works)) if checking else None), None
         if checking:
-            self._row_statistics(works, partial=None)  # every gradient is read once, for statistics and the flag
+            self._row_statistics(works, early=None)  # every gradient is read once, for statistics and the flag
             flag = self._local_flag(works)
             if rides_refresh and not partials_exist:
+                self._finish_drift(works)
                 return None, flag
         else:
-            self._row_statistics(works, partial=True)
-        partials = [sq for w in works for sq, part in zip(w.sumsq, w.partial) if part]
+            self._row_statistics(works, early=True)
+        partials = [
+            t
+            for w in works
+            for sq, part, first, parts in zip(w.sumsq, w.partial, w.early, w.drift_parts)
+            for t in ([sq] if part else []) + (parts if first else [])
+        ]
         extra = [flag.reshape(1)] if checking else []
         flat = torch.cat([t.reshape(-1).float() for t in partials] + extra)
         handle = dist.all_reduce(flat, group=group, async_op=True)
         branch = "rownorm" if any(w.rownorm for w in works) else "refresh"
         self._comm.add(branch, flat.numel() * flat.element_size(), flat.numel() * flat.element_size())
         if not checking:
-            self._row_statistics(works, partial=False)  # overlapped with the all-reduce
+            self._row_statistics(works, early=False)  # overlapped with the all-reduce
         handle.wait()
         for t, reduced in zip(partials, flat[: flat.numel() - len(extra)].split([t.numel() for t in partials])):
             t.copy_(reduced.view_as(t))
+        self._finish_drift(works)
         return (flag_ok(flat[-1:]) if checking else None), None
 
     def _raise_if_nonfinite(self, works: list[_Work], ok: Tensor) -> None:
@@ -467,6 +551,8 @@ class PeriodicRowwiseMuon(Optimizer):
         for group, work in zip(self.param_groups, works):
             if work.params and group["use_muon"]:
                 self._rownorm(group, work, masked)
+                if group["schedule"] == "adaptive":
+                    self._advance_schedule(group, work, masked)
             elif work.params:
                 self._adamw_step(group, work, masked)
             if work.params:
@@ -476,6 +562,49 @@ class PeriodicRowwiseMuon(Optimizer):
                 self._skipped = torch.zeros((), dtype=torch.int64, device=masked.device)
             self._skipped += (~masked).long()
         return loss
+
+    def _advance_schedule(self, group: dict[str, Any], work: _Work, ok: Tensor | None) -> None:
+        """Adaptive schedule after the step: refreshed matrices keep their look-ahead N as the new reference (age 1,
+        drift 0); the others age by one and hand their measured drift to the host (asynchronously on CUDA: read at
+        the next step's plan). A skipped step keeps the old reference and drift."""
+        for i in work.refresh:
+            state = self.state[work.params[i]]
+            ref, buf, grad = _local(state["refresh_momentum"]), _local(state["momentum_buffer"]), work.grads[i]
+            n = torch.lerp(grad, buf, group["momentum"]) if group["nesterov"] else buf  # buf already holds M_t
+            ref.copy_(n if ok is None else torch.where(ok, n, ref))
+            state["refresh_age"].fill_(1)
+            state["refresh_drift"].zero_()
+            state["refreshes"].add_(1)
+        for i, drift in zip(work.rownorm, work.drift):
+            state = self.state[work.params[i]]
+            state["refresh_age"].add_(1)
+            if ok is not None:
+                drift = torch.where(ok, drift, state["refresh_drift"].to(drift.device))
+            if drift.is_cuda:
+                host = torch.empty((), dtype=torch.float32, pin_memory=True)
+                host.copy_(drift, non_blocking=True)
+                self._drift_ready[id(state)] = event = torch.cuda.Event()
+                event.record()
+                state["refresh_drift"] = host
+            else:
+                state["refresh_drift"].copy_(drift)
+
+    def refresh_counts(self) -> dict[str, int]:
+        """Refreshes so far: ``"group<i>"`` the total over the matrices of Muon group i, and every matrix by name
+        (adaptive groups: its own counter; fixed: the refresh steps of its group). Host values: no synchronization."""
+        counts = {}
+        for g, group in enumerate(self.param_groups):
+            if not group["use_muon"]:
+                continue
+            names = group.get("param_names") or [f"group{g}.{i}" for i in range(len(group["params"]))]
+            fixed = 0 if group["step"] == 0 else (group["step"] - 1) // group["period"] + 1
+            per_matrix = {
+                name: int(self.state[p]["refreshes"]) if "refreshes" in self.state.get(p, {}) else fixed
+                for name, p in zip(names, group["params"])
+            }
+            counts[f"group{g}"] = sum(per_matrix.values())
+            counts.update(per_matrix)
+        return counts
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes sent / received and collectives issued by this rank per branch (``"refresh"``, ``"rownorm"``)
@@ -644,6 +773,15 @@ def _ns_dtype(group: dict[str, Any], device: torch.device) -> torch.dtype:
     return default_ns_dtype(device) if group["ns_dtype"] is None else NS_DTYPES[group["ns_dtype"]]
 
 
+def _max_period(group: dict[str, Any]) -> int:
+    return group["period"] if group["max_period"] is None else group["max_period"]
+
+
+def _cosines(dot: Tensor, nn: Tensor, rr: Tensor) -> Tensor:
+    """Cosines of oriented rows from their sums N·R, N², R² (0 where either row is zero)."""
+    return dot / (nn * rr).sqrt().clamp_min(1e-30)
+
+
 def _orthogonalizer(group: dict[str, Any], dtype: torch.dtype) -> Orthogonalizer:
     """The group's refresh orthogonalizer (raises ValueError naming a bad ``ns_*`` option)."""
     return make_orthogonalizer(
@@ -661,6 +799,17 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
     period = group["period"]
     if isinstance(period, bool) or not isinstance(period, int) or period < 1:
         raise ValueError(f"period (K) must be an integer >= 1 (1 = vanilla Muon), got {period!r}.")
+    if group["schedule"] not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {group['schedule']!r}.")
+    if group["schedule"] == "adaptive":
+        low, high = group["min_period"], _max_period(group)
+        if any(isinstance(k, bool) or not isinstance(k, int) for k in (low, high)) or not 1 <= low <= high:
+            raise ValueError(
+                f"The adaptive schedule needs integers 1 <= min_period <= max_period, got min_period={low!r} and "
+                f"max_period={group['max_period']!r} (None: period={period!r})."
+            )
+        if not 0.0 < group["drift_threshold"] < 2.0:
+            raise ValueError(f"drift_threshold must be in (0, 2) (1 - cosine), got {group['drift_threshold']!r}.")
     if group["adjust_lr"] not in ADJUST_LR_CHOICES:
         raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {group['adjust_lr']!r}.")
     _orthogonalizer(group, torch.float32)
