@@ -27,6 +27,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections import defaultdict
@@ -52,6 +53,7 @@ COLUMNS = [
     "role",
     "device",
     "variant",
+    "refreshes",  # NS5 refreshes per Muon matrix so far
 ]
 
 #: the configurations: the digits resolution, DiT kwargs and the default step budget (equal for every arm)
@@ -88,12 +90,26 @@ CONFIGS = {
 ARMS = {"adamw": ("adamw", 1, 0.0), "muon": ("muon", 1, 0.0), "periodic": ("periodic_muon", 3, 0.15)}
 LRS = {"adamw": (3e-4, 1e-3, 3e-3), "muon": (0.01, 0.02, 0.05), "periodic": (0.01, 0.02, 0.05)}
 PERIODS, SCALES = (1, 2, 3, 4, 6), (0.05, 0.1, 0.15, 0.3)
-#: optimizer variants compared with the default on the first configuration at the chosen learning rates, for Muon
-#: (K=1) and Periodic (K=3): DiTModule options on top of the arm. "ns5" is the default every other run uses.
-VARIANTS = {
-    "ns5": {},
-    "polar_express": {"ns_coefficients": "polar_express", "ns_method": "gram"},
-    "turbo_muon": {"ns_coefficients": "turbo_muon", "ns_steps": 4, "ns_normalize": "aol", "ns_method": "gram"},
+#: optimizer variants compared with the default on the first configuration at the chosen learning rates: the arms
+#: they run on and their DiTModule options on top of the arm. "ns5" is the default every other run uses.
+#: Orthogonalizers (#16) on Muon (K=1) and Periodic (K=3); refresh schedules (#15) on Periodic, each with fewer
+#: refreshes than K=3: adaptive (threshold 0.35 chosen on seed 0 as the lowest of 0.3/0.35/0.4/0.45 with at most
+#: K=3's refreshes: 126 per matrix vs 134 in 400 steps) and one layer type at K=6 with the others at K=3.
+VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "ns5": (("muon", "periodic"), {}),
+    "polar_express": (("muon", "periodic"), {"ns_coefficients": "polar_express", "ns_method": "gram"}),
+    "turbo_muon": (
+        ("muon", "periodic"),
+        {"ns_coefficients": "turbo_muon", "ns_steps": 4, "ns_normalize": "aol", "ns_method": "gram"},
+    ),
+    "adaptive": (
+        ("periodic",),
+        {"refresh_schedule": "adaptive", "drift_threshold": 0.35, "min_period": 2, "max_period": 6},
+    ),
+    **{
+        f"{layer}_k6": (("periodic",), {"param_overrides": {layer: {"period": 6}}})
+        for layer in ("attention", "feed_forward", "modulation")
+    },
 }
 PLOTS = "quality_study_"  # prefix of the PNG files beside the CSV
 
@@ -164,7 +180,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
         cfg_dropout=0.1,
         nonfinite="skip",
         **lr,
-        **VARIANTS[run.variant],
+        **VARIANTS[run.variant][1],
     )
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
 
@@ -186,7 +202,10 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
             self.optimizer_seconds += now - self._t0
             if trainer.global_step % eval_every == 0:
                 wall = now - self._start - self.eval_seconds
-                self.snapshots[trainer.global_step] = (self.optimizer_seconds, wall)
+                counts = trainer.optimizers[0].refresh_counts()
+                groups = [v for k, v in counts.items() if re.fullmatch(r"group\d+", k)]
+                per_matrix = sum(groups) / max(1, len(counts) - len(groups))
+                self.snapshots[trainer.global_step] = (self.optimizer_seconds, wall, per_matrix)
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if not trainer.sanity_checking:
@@ -231,7 +250,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for entry in evaluation.history:
         step = int(entry["step"])
-        opt_s, wall_s = clock.snapshots.get(step, (math.nan, math.nan))
+        opt_s, wall_s, refreshes = clock.snapshots.get(step, (math.nan, math.nan, math.nan))
         rows.append(
             {
                 "config": run.config,
@@ -252,6 +271,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "role": run.role,
                 "device": args.device_label,
                 "variant": run.variant,
+                "refreshes": refreshes,
             }
         )
     return rows
@@ -325,7 +345,7 @@ def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[list[Run
     for arm in ("muon", "periodic"):
         _, period, scale = ARMS[arm]
         lr = chosen_lr(rows, config, arm, args)
-        for variant in args.variants:
+        for variant in [v for v in args.variants if arm in VARIANTS[v][0]]:
             seeds = range(args.seed0, args.seed0 + args.seeds)
             later += [Run(config, arm, period, scale, lr, seed, "variants", variant) for seed in seeds]
     return sweep, later
@@ -404,6 +424,8 @@ def summarize(run_rows: list[dict[str, Any]]) -> dict[str, float]:
         "recall": _f(best["recall"]),
         "opt_share": _f(last["optimizer_seconds"]) / _f(last["wall_seconds"]),
         "opt_ms": 1000 * _f(last["optimizer_seconds"]) / steps,
+        # runs from before the column: a fixed schedule refreshes at steps 1, K+1, 2K+1, ...
+        "refreshes": _f(last.get("refreshes")) if last.get("refreshes") else -(-steps // int(last["period"])),
         "step_ms": 1000 * _f(last["wall_seconds"]) / steps,
     }
 
@@ -618,11 +640,12 @@ def variant_table(rows, args: argparse.Namespace) -> list[str]:
     """Each optimizer variant against the default NS5 at the same arm, learning rate and seeds."""
     config = args.configs[0]
     lines = [
-        f"## Orthogonalizers ({config}, the chosen learning rates, seeds {args.seed0}…{args.seed0 + args.seeds - 1})",
+        f"## Variants: orthogonalizers and refresh schedules ({config}, the chosen learning rates, seeds "
+        f"{args.seed0}…{args.seed0 + args.seeds - 1})",
         "",
         "| arm | variant | seeds | best FD | vs ns5 | beyond 2 SE | final val loss | vs ns5 | beyond 2 SE | "
-        "optimizer ms/step |",
-        "|---|---|---:|---:|---:|---|---:|---:|---|---:|",
+        "optimizer ms/step | refreshes per matrix |",
+        "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|",
     ]
     for arm in ("muon", "periodic"):
         opt, k, g = ARMS[arm]
@@ -630,7 +653,7 @@ def variant_table(rows, args: argparse.Namespace) -> list[str]:
         lr, scale = chosen_lr(rows, config, arm, args), g if opt == "periodic_muon" else 0.0
         seeds = range(args.seed0, args.seed0 + args.seeds)
         base = None
-        for variant in ("ns5", *args.variants):
+        for variant in [v for v in ("ns5", *args.variants) if arm in VARIANTS[v][0]]:
             s = [
                 summarize(v)
                 for key, v in per_run(rows, variant).items()
@@ -644,7 +667,8 @@ def variant_table(rows, args: argparse.Namespace) -> list[str]:
             lines.append(
                 f"| {arm} | {variant} | {len(s)} | {fmt(m_fd, s_fd)} | {change(m_fd, mean_std(base_fd)[0])} | "
                 f"{two_se_differs(fd, base_fd)} | {fmt(m_vl, s_vl, 4)} | {change(m_vl, mean_std(base_vl)[0])} | "
-                f"{two_se_differs(vl, base_vl)} | {fmt(*mean_std([x['opt_ms'] for x in s]), 1)} |"
+                f"{two_se_differs(vl, base_vl)} | {fmt(*mean_std([x['opt_ms'] for x in s]), 1)} | "
+                f"{fmt(*mean_std([x['refreshes'] for x in s]), 1)} |"
             )
     return lines + [""]
 
@@ -683,7 +707,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.configs, args.steps, args.eval_every, args.samples, args.inference_steps = ["digits8"], 40, 20, 100, 4
         args.seeds, args.ablation_seeds, args.periods, args.scales = 2, 1, (1, 3), (0.15,)
-        args.variants = args.variants[-1:]
+        args.variants = [v for v in ("turbo_muon", "adaptive") if v in args.variants]
         args.lrs = {"adamw": (1e-3, 3e-3), "muon": (0.02, 0.05), "periodic": (0.02, 0.05)}
     else:
         args.periods, args.scales, args.lrs = PERIODS, SCALES, LRS

@@ -41,9 +41,18 @@ def test_quick_study_csv_schema_resume_and_report(tmp_path):
         reader = csv.DictReader(f)
         assert REQUIRED == reader.fieldnames[: len(REQUIRED)]
         rows = list(reader)
-    runs = {(r["optimizer"], r["period"], r["rownorm_scale"], r["lr"], r["seed"]) for r in rows}
+    runs = {(r["optimizer"], r["period"], r["rownorm_scale"], r["lr"], r["seed"], r["variant"]) for r in rows}
     assert {r["optimizer"] for r in rows} == {"adamw", "muon", "periodic_muon"}
-    assert {r["role"] for r in rows} >= {"sweep", "seeds"}
+    assert {r["role"] for r in rows} >= {"sweep", "seeds", "variants"}
+    assert {r["variant"] for r in rows} == {"ns5", "turbo_muon", "adaptive"}
+    for r in rows:  # NS5 refreshes per matrix: every step for Muon, at most every step otherwise, none for AdamW
+        refreshes, step = float(r["refreshes"]), int(r["step"])
+        if r["optimizer"] == "muon":
+            assert refreshes == step
+        elif r["optimizer"] == "periodic_muon":
+            assert 0 < refreshes < step if int(r["period"]) > 1 else refreshes == step
+        else:
+            assert refreshes == 0
     assert len(runs) == len(rows) // 2  # two evaluations (steps 20, 40) per run, no run trained twice
     assert all(float(r["fd"]) > 0 and 0 <= float(r["precision"]) <= 1 and float(r["val_loss"]) > 0 for r in rows)
     assert all(0 < float(r["optimizer_seconds"]) < float(r["wall_seconds"]) for r in rows)
@@ -51,7 +60,8 @@ def test_quick_study_csv_schema_resume_and_report(tmp_path):
         assert len({r["seed"] for r in rows if r["optimizer"] == optimizer and r["role"] == "seeds"}) >= 1
 
     report = (tmp_path / "quality_study.md").read_text()
-    for text in ("| optimizer | seeds | best FD", "Muon vs AdamW, best FD", "Periodic vs Muon, optimizer time", "K (γ"):
+    texts = ("| optimizer | seeds | best FD", "Muon vs AdamW, best FD", "Periodic vs Muon, optimizer time", "K (γ")
+    for text in (*texts, "## Variants", "| periodic | adaptive | 2 |", "| muon | turbo_muon | 2 |"):
         assert text in report
     from PIL import Image
 

@@ -66,6 +66,8 @@ MUON_KEYS = (
 ADAMW_KEYS = ("lr", "betas", "momentum", "eps", "weight_decay")
 NONFINITE_MODES = ("skip", "raise", "ignore")
 SCHEDULES = ("fixed", "adaptive")
+#: adaptive-schedule state the host reads every step (never a device synchronization)
+HOST_STATE = ("refresh_age", "refresh_drift", "refreshes")
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 #: Same-shape matrices are orthogonalized as one batch of at most this many bytes (in the NS dtype).
 MAX_NS_BATCH_BYTES = 512 * 2**20
@@ -317,6 +319,10 @@ class PeriodicRowwiseMuon(Optimizer):
         """
         self._check_layout(state_dict)
         super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch moves loaded state to the parameter's device; these stay on the host
+            for key in HOST_STATE:
+                if key in state:
+                    state[key] = state[key].cpu()
         for g, group in enumerate(self.param_groups):
             step = group.setdefault("step", 0)
             if isinstance(step, Tensor):  # a distributed checkpoint may hand back a tensor
