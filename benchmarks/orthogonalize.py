@@ -111,18 +111,20 @@ def digits_momenta(steps: int, path: Path) -> list[torch.Tensor]:
     return momenta
 
 
-def accuracy(momenta: list[torch.Tensor], conds: list[float]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per method: mean errors over the digits momenta (float32), and errors per condition number (float32)."""
+def accuracy(
+    momenta: list[torch.Tensor], conds: list[float], dtype: torch.dtype
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per method, computing in ``dtype``: mean errors over the digits momenta, and errors per condition number."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name, kw in METHODS.items():
-        ortho = make_orthogonalizer(dtype=torch.float32, **kw)
-        rows = [errors(ortho(M.float()[None].clone())[0], M) for M in momenta]
+        ortho = make_orthogonalizer(dtype=dtype, **kw)
+        rows = [errors(ortho(M.to(dtype)[None].clone())[0], M) for M in momenta]
         out[name] = {"digits momenta": {k: statistics.mean(r[k] for r in rows) for k in rows[0]}}
         out[name]["digits momenta"]["smin"] = min(r["smin"] for r in rows)
         out[name]["digits momenta"]["smax"] = max(r["smax"] for r in rows)
         for cond in conds:
             G = ill_conditioned(cond)
-            out[name][f"cond {cond:.0e}"] = errors(ortho(G.float()[None].clone())[0], G)
+            out[name][f"cond {cond:.0e}"] = errors(ortho(G.to(dtype)[None].clone())[0], G)
     return out
 
 
@@ -152,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{r['gflop']:.1f} | {r['gflop'] / base['gflop']:.2f} |"
             )
     momenta = digits_momenta(args.digits_steps, out / ".orthogonalize_momenta.pt")
-    acc = accuracy(momenta, args.conds)
+    acc = accuracy(momenta, args.conds, dtype)
     result["accuracy"] = acc
     sets = list(next(iter(acc.values())))
     lines += ["", f"orth = ‖OOᵀ − I‖_F/√p; polar = ‖O − UVᵀ‖_F/‖UVᵀ‖_F ({len(momenta)} digits momenta: means)", ""]
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "orthogonalize.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"orthogonalize_{args.dtype}.json").write_text(json.dumps(result, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -168,3 +168,12 @@ def test_preset_schedules_truncate_and_extend():
     long = make_orthogonalizer("turbo_muon", 6)
     assert long.coefficients == POLAR_EXPRESS_COEFFICIENTS[1:] + POLAR_EXPRESS_COEFFICIENTS[-1:] * 2
     assert make_orthogonalizer("jordan", 5) == make_orthogonalizer(DEFAULT_NS_COEFFICIENTS, 5)  # batched together
+
+
+def test_gram_iteration_stays_bounded_in_bf16():
+    """In bf16 the Gram iteration's p×p state runs in float32: singular values stay below 1.5 on an ill-conditioned
+    matrix (with the p×p iteration in bf16 they reached 2.0 here, and ~250 on digits momenta)."""
+    G = ill_conditioned(128, 512, 1e4)
+    for coefficients in ("jordan", "polar_express"):
+        out = newton_schulz(G, 5, coefficients, dtype=torch.bfloat16, method="gram")
+        assert torch.linalg.svdvals(out.double()).max() < 1.5, coefficients

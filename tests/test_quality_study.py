@@ -44,7 +44,7 @@ def test_quick_study_csv_schema_resume_and_report(tmp_path):
     runs = {(r["optimizer"], r["period"], r["rownorm_scale"], r["lr"], r["seed"], r["variant"]) for r in rows}
     assert {r["optimizer"] for r in rows} == {"adamw", "muon", "periodic_muon"}
     assert {r["role"] for r in rows} >= {"sweep", "seeds", "variants"}
-    assert {r["variant"] for r in rows} == {"ns5", "turbo_muon", "adaptive"}
+    assert {r["variant"] for r in rows} == {"ns5", "baseline", "turbo_muon", "adaptive"}
     for r in rows:  # NS5 refreshes per matrix: every step for Muon, at most every step otherwise, none for AdamW
         refreshes, step = float(r["refreshes"]), int(r["step"])
         if r["optimizer"] == "muon":

@@ -96,7 +96,7 @@ class Orthogonalizer:
     * normalization ``"frobenius"``: :math:`X_0 = X / (s\lVert X \rVert_F + \varepsilon)` with safety factor
       :math:`s`; ``"aol"`` (Turbo-Muon, arXiv 2512.04632; AOL, Prach & Lampert 2022): after the Frobenius step,
       :math:`X_0 = D X / s`, :math:`D = \mathrm{diag}(\sum_j |XX^\top|_{ij})^{-1/2}`, which bounds
-      :math:`\lVert X_0 \rVert_2 \le 1` and moves the small singular values towards 1; its Gram
+      :math:`\lVert X_0 \rVert_2 \le 1` and, where rows have unequal norms, lifts the small singular values; its Gram
       :math:`DXX^\top D` is the first iteration's, so it costs no matmul.
     * method ``"standard"``: :math:`X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k`, :math:`A_k = X_k X_k^\top`
       — :math:`4p^2q + 2p^3` FLOPs per iteration. ``"gram"`` (Gram Newton–Schulz, Zhang, Amsel, Chen, Dao 2026):
@@ -154,15 +154,21 @@ def _gram(X: Tensor, tall: bool) -> Tensor:
 
 
 def _gram_newton_schulz(X: Tensor, R: Tensor | None, coefficients: Triples, tall: bool) -> Tensor:
-    """:class:`Orthogonalizer`'s ``"gram"`` method: Q and R are polynomials in the first Gram, so they commute."""
-    apply = (lambda Y, Q: torch.bmm(Y, Q)) if tall else (lambda Y, Q: torch.bmm(Q, Y))
-    R = _gram(X, tall) if R is None else R
+    """:class:`Orthogonalizer`'s ``"gram"`` method: Q and R are polynomials in the first Gram, so they commute.
+
+    The p×p iteration runs in float32 at least: in bf16 the errors that compound in Q and R (the Gram squares X's
+    condition number) let singular values reach ~2 on ill-conditioned matrices and ~250 on digits momenta
+    (``benchmarks/orthogonalize.py``); with it they stay below ~1.4 (standard NS5 in bf16: 1.2). The p×q products
+    (Gram of X, restart, final Q·X) stay in X's dtype."""
+    work = torch.promote_types(X.dtype, torch.float32)
+    apply = (lambda Y, Q: torch.bmm(Y, Q.to(Y.dtype))) if tall else (lambda Y, Q: torch.bmm(Q.to(Y.dtype), Y))
+    R = (_gram(X, tall) if R is None else R).to(work)
     Q = None
     last = len(coefficients) - 1
     for k, (a, b, c) in enumerate(coefficients):
         if k in GRAM_RESTARTS and Q is not None:
             X = apply(X, Q)
-            R, Q = _gram(X, tall), None
+            R, Q = _gram(X, tall).to(work), None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # bR + cR²
         if Q is None:
             Q = Z.clone()
