@@ -385,3 +385,32 @@ def test_memory_estimate_counts_every_part_and_the_big_configs_fit_an_80gb_gpu()
         assert r["frozen"] > 8.5 and r["eval"] > 6  # T5-XXL in bf16; DINOv2-L, Inception, CLIP-L and ViT-H in fp32
         config["model"]["gradient_checkpointing"] = False  # the control: without recomputation it does not fit
         assert memory_per_gpu(config)["activations"] > 50
+
+
+def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
+    """Layer-wise K, the adaptive schedule and an opt-in orthogonalizer, set from the command line, end up in the
+    optimizer's groups (attention at K=2, the other matrices at the config's K=3)."""
+    import yaml
+
+    from lightning_muon.recipes.cli import main
+
+    flags = {
+        "refresh_schedule": "adaptive",
+        "drift_threshold": "0.3",
+        "max_period": "6",
+        "param_overrides": '{"attention": {"period": 2}}',
+        "ns_method": "gram",
+        "ns_coefficients": "polar_express",
+    }
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *[arg for k, v in flags.items() for arg in (f"--model.{k}", v)], "--print_config"])
+    assert exit_info.value.code == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert cfg["param_overrides"] == {"attention": {"period": 2}} and cfg["drift_threshold"] == 0.3
+    module = DiTModule(model_config=SMALL_DIT, **{k: cfg[k] for k in flags})
+    module.configure_model()
+    groups = [g for g in module.configure_optimizers()["optimizer"].param_groups if g["use_muon"]]
+    attention = next(g for g in groups if "transformer_blocks.0.attn1.to_q.weight" in g["param_names"])
+    assert attention["period"] == 2 and {g["period"] for g in groups} == {2, 3}
+    assert all(g["schedule"] == "adaptive" and g["ns_method"] == "gram" and g["max_period"] == 6 for g in groups)
+    assert all(g["ns_coefficients"] == "polar_express" for g in groups)
