@@ -171,9 +171,13 @@ def test_preset_schedules_truncate_and_extend():
 
 
 def test_gram_iteration_stays_bounded_in_bf16():
-    """In bf16 the Gram iteration's p×p state runs in float32: singular values stay below 1.5 on an ill-conditioned
-    matrix (with the p×p iteration in bf16 they reached 2.0 here, and ~250 on digits momenta)."""
+    """In bf16 the Gram iteration's p×p state runs in float32 unless AOL bounds the input: singular values stay below
+    1.5 on an ill-conditioned matrix (with the p×p iteration in bf16 they reached 2.0 here, ~250 on digits momenta)."""
     G = ill_conditioned(128, 512, 1e4)
-    for coefficients in ("jordan", "polar_express"):
-        out = newton_schulz(G, 5, coefficients, dtype=torch.bfloat16, method="gram")
+    for steps, coefficients, normalize in (
+        (5, "jordan", "frobenius"),
+        (5, "polar_express", "frobenius"),
+        (4, "turbo_muon", "aol"),
+    ):
+        out = newton_schulz(G, steps, coefficients, dtype=torch.bfloat16, method="gram", normalize=normalize)
         assert torch.linalg.svdvals(out.double()).max() < 1.5, coefficients

@@ -138,7 +138,7 @@ class Orthogonalizer:
             X.mul_(d.unsqueeze(-2) if tall else d.unsqueeze(-1))
             A.mul_(d.unsqueeze(-1)).mul_(d.unsqueeze(-2))
         if self.uses_gram((m, n)):
-            return _gram_newton_schulz(X, A, self.coefficients, tall)
+            return _gram_newton_schulz(X, A, self.coefficients, tall, self.normalize == "aol")
         for k, (a, b, c) in enumerate(self.coefficients):
             # Tall matrices iterate X <- aX + X(bA + cA²) with A = XᵀX: the transposed recursion written without
             # transposing (A and bA + cA² are symmetric), so every operand stays contiguous.
@@ -153,14 +153,15 @@ def _gram(X: Tensor, tall: bool) -> Tensor:
     return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
 
 
-def _gram_newton_schulz(X: Tensor, R: Tensor | None, coefficients: Triples, tall: bool) -> Tensor:
+def _gram_newton_schulz(X: Tensor, R: Tensor | None, coefficients: Triples, tall: bool, aol: bool) -> Tensor:
     """:class:`Orthogonalizer`'s ``"gram"`` method: Q and R are polynomials in the first Gram, so they commute.
 
-    The p×p iteration runs in float32 at least: in bf16 the errors that compound in Q and R (the Gram squares X's
-    condition number) let singular values reach ~2 on ill-conditioned matrices and ~250 on digits momenta
-    (``benchmarks/orthogonalize.py``); with it they stay below ~1.4 (standard NS5 in bf16: 1.2). The p×q products
-    (Gram of X, restart, final Q·X) stay in X's dtype."""
-    work = torch.promote_types(X.dtype, torch.float32)
+    Without AOL the p×p iteration runs in float32 at least: in bf16 the errors that compound in Q and R (the Gram
+    squares X's condition number) let singular values reach ~2 on ill-conditioned matrices and ~250 on digits
+    momenta (``benchmarks/orthogonalize.py``); in float32 they stay below ~1.4 (standard NS5 in bf16: 1.2). AOL's
+    bound ‖X₀‖₂ ≤ 1 keeps the bf16 iteration at NS5's accuracy (measured on the same sets, σ ≤ 1.15), so it stays in
+    X's dtype there. The p×q products (Gram of X, restart, final Q·X) are always in X's dtype."""
+    work = X.dtype if aol else torch.promote_types(X.dtype, torch.float32)
     apply = (lambda Y, Q: torch.bmm(Y, Q.to(Y.dtype))) if tall else (lambda Y, Q: torch.bmm(Q.to(Y.dtype), Y))
     R = (_gram(X, tall) if R is None else R).to(work)
     Q = None
