@@ -73,6 +73,20 @@ def test_resume_continues_schedule_and_loss_curve(runs, resumed):
     assert curve(runs["first"])[1] == curve(runs["straight"][:6])[1]
 
 
+def test_adaptive_schedule_resumes_from_a_distributed_checkpoint(tmp_path):
+    """The adaptive schedule's per-matrix state (reference momentum shards, host ages, drifts, counts) goes through
+    torch.distributed.checkpoint: the resumed run takes the uninterrupted run's per-matrix decisions and losses."""
+    extra = ["--optimizer", "adaptive"]
+    straight = fit(tmp_path, "straight", devices=2, epochs=2, extra=extra)
+    fit(tmp_path, "first", devices=2, epochs=1, extra=extra)
+    resumed = fit(tmp_path, "resumed", devices=2, epochs=2, ckpt=tmp_path / "first" / "ckpt" / "last.ckpt", extra=extra)
+    refreshes = [r["branches"]["refresh"] for r in straight]
+    assert len(set(refreshes) - {0, refreshes[0]}) > 0  # some matrices refresh on their own steps (e.g. 5 of 14)
+    assert [r["branches"] for r in resumed] == [r["branches"] for r in straight[6:]]
+    assert resumed[-1]["refreshes"] == straight[-1]["refreshes"]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[6:]], rel=1e-5)
+
+
 def test_partially_sharded_muon_matrices_fail_clearly(tmp_path):
     proc = fit(tmp_path, "bad", devices=2, epochs=1, extra=["--partial-shard"], check=False)
     assert proc.returncode != 0 and "is not a DTensor" in proc.stderr, proc.stderr[-3000:]

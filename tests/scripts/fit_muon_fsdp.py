@@ -57,7 +57,10 @@ class TinyFlowDiT(L.LightningModule):
         if self.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
         groups = muon_param_groups(self.model, adamw={"lr": 1e-3})
-        return PeriodicRowwiseMuon(groups, lr=0.02, period=3, weight_decay=0.01, ns_dtype=torch.float32)
+        adaptive = (
+            {"schedule": "adaptive", "drift_threshold": 0.5, "max_period": 4} if self.optimizer == "adaptive" else {}
+        )
+        return PeriodicRowwiseMuon(groups, lr=0.02, period=3, weight_decay=0.01, ns_dtype=torch.float32, **adaptive)
 
 
 class Record(Callback):
@@ -71,6 +74,7 @@ class Record(Callback):
                 "step": trainer.global_step,
                 "loss": float(trainer.callback_metrics["train_loss"]),
                 "branches": dict(getattr(opt, "last_branches", {})),
+                "refreshes": opt.refresh_counts() if hasattr(opt, "refresh_counts") else {},
                 "world": trainer.world_size,
             }
         )
@@ -97,7 +101,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--record", required=True)
     parser.add_argument("--ckpt-path", default=None)
-    parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw"])
+    parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw", "adaptive"])
     parser.add_argument("--partial-shard", action="store_true")
     parser.add_argument("--strategy", default="muon_fsdp", choices=["muon_fsdp", "model_parallel"])
     args = parser.parse_args()
