@@ -128,6 +128,10 @@ def test_telemetry_logs_a_refresh_exactly_every_k_steps(cache, tmp_path):
     tags = set(acc.Tags()["scalars"])
     assert {"optim/step_ms", "optim/update_rms/group0", "optim/grad_norm/group0"} <= tags
     assert all(e.value > 0 for e in acc.Scalars("optim/update_rms/group0"))
+    matrix = [(e.step, e.value) for e in acc.Scalars("optim/refreshes/transformer_blocks.0.attn1.to_q.weight")]
+    assert matrix == [(t, float((t - 1) // 3 + 1)) for t in range(1, 13)]  # NS5 refreshes so far, per matrix
+    group = dict((e.step, e.value) for e in acc.Scalars("optim/refreshes/group0"))
+    assert group[12] > matrix[-1][1] and group[12] % matrix[-1][1] == 0  # every matrix of the group alike
 
 
 @pytest.mark.distributed

@@ -402,8 +402,8 @@ class PeriodicRowwiseMuon(Optimizer):
             return
         index = list(range(len(work.params)))
         if group["schedule"] == "adaptive":
-            due = [i for i in index if self._due(group, self.state[work.params[i]])]
-            work.refresh, work.rownorm = due, [i for i in index if i not in set(due)]
+            due = {i for i in index if self._due(group, self.state[work.params[i]])}
+            work.refresh, work.rownorm = sorted(due), [i for i in index if i not in due]
         else:
             refresh = group["step"] % group["period"] == 0
             work.refresh, work.rownorm = (index, []) if refresh else ([], index)
