@@ -265,16 +265,21 @@ def rownorm_sumsq(M: Tensor, G: Tensor, beta: float, nesterov: bool, dim: int) -
     nesterov: :math:`N = \beta M_t + (1-\beta) G = \beta^2 M_{t-1} + (1-\beta^2) G`; else :math:`N = M_t`.
     Non-finite entries of ``G`` make the result non-finite. Sums of squares (not norms) so shards can be added up.
     """
-    N = torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
-    return N.square_().sum(dim=dim, keepdim=True)  # eager: 7x faster than vector_norm across rows (dim=-2)
+    return lookahead(M, G, beta, nesterov).square_().sum(dim=dim, keepdim=True)  # eager: 7x faster than vector_norm
 
 
-def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim: int) -> tuple[Tensor, Tensor]:
-    r"""Sums along ``dim`` (kept) of :math:`N \odot R` and :math:`R^2` for the adaptive schedule's drift, with N the
-    look-ahead this step will produce (as :func:`rownorm_sumsq`, read-only) and R the look-ahead of the last refresh.
-    Sums, not cosines, so that shards can be added up."""
-    N = torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
-    return (N * R).sum(dim=dim, keepdim=True), R.square().sum(dim=dim, keepdim=True)
+def lookahead(M: Tensor, G: Tensor, beta: float, nesterov: bool) -> Tensor:
+    """The update direction N of this step from the *old* momentum, out of place (see :func:`rownorm_sumsq`)."""
+    return torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
+
+
+def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Sums along ``dim`` (kept) of :math:`N^2` (as :func:`rownorm_sumsq`), :math:`N \odot R` and :math:`R^2` from
+    one look-ahead N, for the adaptive schedule's drift (R: the look-ahead of the last refresh). Read-only; sums, not
+    cosines, so that shards can be added up."""
+    N = lookahead(M, G, beta, nesterov)
+    dot, rr = (N * R).sum(dim=dim, keepdim=True), R.square().sum(dim=dim, keepdim=True)
+    return N.square_().sum(dim=dim, keepdim=True), dot, rr
 
 
 def masked_scalar(ok: Tensor, value: float | Tensor, identity: float, like: Tensor) -> Tensor:

@@ -300,9 +300,13 @@ class PeriodicRowwiseMuon(Optimizer):
                 group.setdefault("ns_dtype", None)
                 group.setdefault("ns_normalize", "frobenius")
                 group.setdefault("ns_method", "standard")
-                for key, value in (("schedule", "fixed"), ("drift_threshold", 0.05), ("min_period", 1)):
+                for key, value in (
+                    ("schedule", "fixed"),
+                    ("drift_threshold", 0.05),
+                    ("min_period", 1),
+                    ("max_period", None),
+                ):
                     group.setdefault(key, value)
-                group.setdefault("max_period", None)
             else:
                 group.setdefault("momentum", tuple(group["betas"])[0])
 
@@ -438,12 +442,14 @@ class PeriodicRowwiseMuon(Optimizer):
                     continue
                 state = self.state[work.params[i]]
                 buf, dim = _local(state["momentum_buffer"]), row_norm_dim(work.shards[i].shape)
-                work.sumsq[j] = sumsq_fn(buf, work.grads[i], group["momentum"], group["nesterov"], dim)
-                if group["schedule"] == "adaptive":
-                    ref = _local(state["refresh_momentum"])
-                    dot, rr = drift_sums(buf, work.grads[i], ref, group["momentum"], group["nesterov"], dim)
-                    # tall: per-column sums, partial over ranks; wide: whole rows, so the cosines add up here
-                    work.drift_parts[j] = [dot, rr] if dim == -2 else [_cosines(dot, work.sumsq[j], rr).sum()]
+                beta, nesterov = group["momentum"], group["nesterov"]
+                if group["schedule"] != "adaptive":
+                    work.sumsq[j] = sumsq_fn(buf, work.grads[i], beta, nesterov, dim)
+                    continue
+                ref = _local(state["refresh_momentum"])
+                work.sumsq[j], dot, rr = drift_sums(buf, work.grads[i], ref, beta, nesterov, dim)
+                # tall: per-column sums, partial over ranks; wide: whole rows, so the cosines add up here
+                work.drift_parts[j] = [dot, rr] if dim == -2 else [_cosines(dot, work.sumsq[j], rr).sum()]
 
     def _finish_drift(self, works: list[_Work]) -> None:
         r"""Drift of each adaptive RowNorm matrix from its reduced sums: :math:`1 - \frac1p\sum_i \cos(n_i, r_i)`
