@@ -12,7 +12,15 @@ from typing_extensions import override
 class StepProgressBar(RichProgressBar):
     """Lightning's rich progress bar, but when ``max_steps`` is set it is one bar for the whole run: optimizer step
     ``global_step`` of ``max_steps`` (step-based runs have ``max_epochs=-1``, which the stock bar shows as
-    "Epoch 62/-2" over the batches of one epoch). Without ``max_steps`` it is the stock bar."""
+    "Epoch 62/-2" over the batches of one epoch). Without ``max_steps`` it is the stock bar.
+
+    Args:
+        refresh_rate: redraw every this many batches (0 disables the bar).
+        leave: keep finished bars on screen.
+    """
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)  # typed: no console_kwargs (Any) from a config
 
     @property
     @override

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import atexit
 import re
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -34,6 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -50,7 +52,31 @@ from lightning_muon.checkpoint import (
 from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.distributed import row_shard
 
-__all__ = ["BLOCK_MODULE_PATTERN", "MuonFSDPStrategy", "default_mp_policy", "shard_transformer"]
+__all__ = ["BLOCK_MODULE_PATTERN", "MixedPrecision", "MuonFSDPStrategy", "default_mp_policy", "shard_transformer"]
+
+DtypeName = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """A ``MixedPrecisionPolicy`` by dtype names, as a YAML config writes it
+    (``mp_policy: {param_dtype: bfloat16, reduce_dtype: float32}``): plain data, never a class to instantiate."""
+
+    param_dtype: DtypeName | None = None
+    reduce_dtype: DtypeName | None = None
+    output_dtype: DtypeName | None = None
+    cast_forward_inputs: bool = True
+
+    def policy(self) -> MixedPrecisionPolicy:
+        """The FSDP2 policy with these dtypes."""
+        dtype = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+        return MixedPrecisionPolicy(
+            param_dtype=dtype[self.param_dtype],
+            reduce_dtype=dtype[self.reduce_dtype],
+            output_dtype=dtype[self.output_dtype],
+            cast_forward_inputs=self.cast_forward_inputs,
+        )
+
 
 #: Transformer blocks, each sharded as its own FSDP2 unit (diffusers ``transformer_blocks.i``, timm ``blocks.i``).
 BLOCK_MODULE_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+$"
@@ -63,7 +89,7 @@ EMBEDDER_MODULE_PATTERN = r"(^|\.)emb$"
 def shard_transformer(
     module: nn.Module,
     mesh: DeviceMesh,
-    mp_policy: Any | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Apply ``fully_shard`` to every transformer block (its conditioning embedder first, as a unit of its own), then
@@ -78,7 +104,7 @@ def shard_transformer(
         mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 reduce).
         reshard_after_forward: free gathered block parameters after forward (ZeRO-3) or keep them (ZeRO-2).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
     blocks = [m for name, m in module.named_modules() if re.search(BLOCK_MODULE_PATTERN, name)]
@@ -107,11 +133,9 @@ def _is_frozen(module: nn.Module) -> bool:
     return bool(params) and not has_blocks and not any(p.requires_grad for p in params)
 
 
-def default_mp_policy(precision: str | None) -> Any:
+def default_mp_policy(precision: str | None) -> MixedPrecisionPolicy:
     """torchtitan's choice: bf16 parameters and activations, fp32 gradient reduction, when training in bf16;
     otherwise FSDP2's default (no casting)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     if precision is not None and str(precision).startswith("bf16"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -131,7 +155,8 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     Args:
         hsdp: shard within a node and replicate across nodes (mesh ``(num_nodes, devices)``) instead of sharding
             over all ranks.
-        mp_policy: ``MixedPrecisionPolicy`` for the automatic sharding (ignored when ``configure_model`` shards).
+        mp_policy: ``MixedPrecisionPolicy`` (or :class:`MixedPrecision` by dtype names, as in a YAML config) for the
+            automatic sharding (ignored when ``configure_model`` shards).
             Default: bf16 params with fp32 gradient reduction when the trainer precision is bf16
             (:func:`default_mp_policy`), no casting otherwise.
         reshard_after_forward: see :func:`shard_transformer`.
@@ -148,7 +173,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     def __init__(
         self,
         hsdp: bool = False,
-        mp_policy: Any | None = None,
+        mp_policy: MixedPrecision | MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -164,7 +189,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.hsdp = hsdp
-        self.mp_policy = mp_policy
+        self.mp_policy = mp_policy.policy() if isinstance(mp_policy, MixedPrecision) else mp_policy
         self.reshard_after_forward = reshard_after_forward
         self._shard_mesh: DeviceMesh | None = None
         self._resumed_epoch: int | None = None  # set by load_checkpoint, used until training starts

@@ -23,15 +23,17 @@ class ImageFolder(Dataset):
     ``{"file": ..., "caption": ...}`` lines). Resized (short side) and center-cropped to ``size``, in [-1, 1].
 
     A missing or corrupt image raises an error naming the file, or with ``skip_corrupt=True`` is replaced by the
-    next readable one and counted in ``skipped``.
+    next readable one and counted in ``skipped``. Only regular files are read (a FIFO or device named ``*.png`` is
+    skipped, never opened), and a captions file may name only files inside ``root``.
     """
 
     def __init__(self, root: str | Path, size: int, skip_corrupt: bool = False) -> None:
         self.root, self.size, self.skip_corrupt = Path(root), size, skip_corrupt
         captions = self.root / "captions.jsonl"
         if captions.is_file():
-            rows = [json.loads(line) for line in captions.read_text().splitlines() if line.strip()]
-            self.files = [self.root / r["file"] for r in rows]
+            rows = [_caption_row(captions, n, line) for n, line in enumerate(captions.read_text().splitlines(), 1)]
+            rows = [r for r in rows if r is not None]
+            self.files = [_inside(self.root, r["file"], captions) for r in rows]
             self.captions: list[str] | None = [r["caption"] for r in rows]
             self.classes: list[str] = []
             self.labels = [0] * len(rows)
@@ -43,7 +45,7 @@ class ImageFolder(Dataset):
                 (f, c)
                 for c, name in enumerate(self.classes)
                 for f in sorted((self.root / name).iterdir())
-                if f.suffix.lower() in IMAGE_SUFFIXES
+                if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file()  # regular files only: a FIFO would hang
             ]
             self.files, self.labels = [f for f, _ in pairs], [c for _, c in pairs]
             self.captions = None
@@ -57,6 +59,8 @@ class ImageFolder(Dataset):
         from torchvision.transforms.functional import center_crop, pil_to_tensor, resize
 
         try:
+            if not path.is_file():  # missing, or not a regular file (a FIFO would block the open)
+                raise FileNotFoundError("not a regular file")
             with Image.open(path) as image:
                 x = pil_to_tensor(image.convert("RGB"))
         except (FileNotFoundError, UnidentifiedImageError, OSError) as err:
@@ -82,6 +86,27 @@ class ImageFolder(Dataset):
         if self.captions is not None:
             item["caption"] = self.captions[j]
         return item
+
+
+def _caption_row(path: Path, number: int, line: str) -> dict[str, str] | None:
+    """One ``{"file": str, "caption": str}`` line of a captions file (None for a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{number} is not JSON ({err.msg}).") from None
+    if not isinstance(row, dict) or not all(isinstance(row.get(k), str) for k in ("file", "caption")):
+        raise ValueError(f'{path}:{number} must be {{"file": str, "caption": str}}, got {line.strip()[:200]!r}.')
+    return row
+
+
+def _inside(root: Path, name: str, listed_in: Path) -> Path:
+    """``root / name``, which must stay inside ``root`` (no ``..`` or absolute path out of it)."""
+    path = root / name
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"{listed_in} names {name!r}, outside {root}: list only files inside the folder.")
+    return path
 
 
 class FolderImages(Dataset):

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
-from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.module import DiTModule, checked_hparams
 
 CONFIGS = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "digits_tiny.yaml"
@@ -58,6 +59,23 @@ class MuonCLI(LightningCLI):
         parser._subcommands_action.add_subcommand(
             "evaluate", self.init_parser(description=EVALUATE_HELP), help=EVALUATE_HELP
         )
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning feeds a single-file checkpoint's hyper-parameters back through the parser; here they pass
+        :func:`~lightning_muon.recipes.module.checked_hparams` first, so a checkpoint can never name a class to
+        instantiate (a bad one is a short parser error naming ``--ckpt_path``)."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or not Path(ckpt_path).is_file():
+            return
+        hparams = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters")
+        if not hparams:
+            return
+        try:
+            checked = checked_hparams(hparams)
+        except ValueError as err:
+            self.parser.error(f"--ckpt_path {ckpt_path}: {err}")
+        self.config = self.parser.parse_object({subcommand: {"model": checked}}, self.config)
 
     def instantiate_trainer(self, **kwargs):
         """The trainer, with a :class:`~lightning_muon.callbacks.StepProgressBar` unless the progress bar is

@@ -34,26 +34,59 @@ from lightning_muon.checkpoint import (
 from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.module import DiTModule, build_transformer
+from lightning_muon.recipes.module import DiTModule, build_transformer, checked_hparams
 
-__all__ = ["build_parser", "checkpoint_meta", "find_checkpoints", "load_generator", "main", "module_from_hparams"]
+__all__ = [
+    "build_parser",
+    "checkpoint_meta",
+    "find_checkpoints",
+    "load_generator",
+    "main",
+    "module_from_hparams",
+    "plan_checkpoints",
+]
 
 log = logging.getLogger(__name__)
 
 
 def find_checkpoints(run: str) -> list[Path]:
-    """Checkpoints under a run directory (or matching a glob): ``*.ckpt`` files and distributed-checkpoint
-    directories, ``last.ckpt`` excluded (it repeats another step)."""
+    """Checkpoints under a run directory (or matching a glob): ``*.ckpt`` regular files and distributed-checkpoint
+    directories, each folder's ``last.ckpt`` after its step checkpoints (it usually repeats one of their steps:
+    :func:`plan_checkpoints` keeps one checkpoint per step)."""
     roots = [Path(p) for p in sorted(glob.glob(run))] or [Path(run)]
     found: list[Path] = []
     for root in roots:
         if root.suffix == ".ckpt" and (root.is_file() or is_distributed_checkpoint(root)):
             found.append(root)
             continue
-        for path in sorted(root.rglob("*.ckpt")):
-            if path.name != "last.ckpt" and (path.is_file() or is_distributed_checkpoint(path)):
-                found.append(path)
+        paths = sorted(root.rglob("*.ckpt"), key=lambda p: (p.parent, p.name == "last.ckpt", p.name))
+        found += [p for p in paths if p.is_file() or is_distributed_checkpoint(p)]
     return found
+
+
+def plan_checkpoints(
+    runs: list[str], rows: list[dict[str, str]]
+) -> tuple[list[tuple[str, Path, dict[str, Any]]], list[str]]:
+    """``(run, checkpoint, metadata)`` to evaluate — one checkpoint per distinct step of a run (``best-step=N`` and
+    ``epoch=…-step=N`` are the same weights; ``last.ckpt`` only when no other holds its step), leaving out steps
+    already in ``rows`` — and the checkpoints whose metadata cannot be read, as ``"path: reason"``."""
+    seen = {(r["run"], str(r["step"])) for r in rows} | {(r["run"], r["checkpoint"]) for r in rows}
+    todo, failed = [], []
+    for run in runs:
+        name = Path(run).name or run
+        for ckpt in find_checkpoints(run):
+            if (name, str(ckpt)) in seen:
+                continue
+            try:
+                meta = checkpoint_meta(ckpt)
+                step = str(int(meta.get("global_step", 0)))
+            except Exception as err:  # unreadable or damaged: reported, the sweep goes on
+                failed.append(f"{ckpt}: {type(err).__name__}: {err}")
+                continue
+            if (name, step) not in seen:
+                seen.add((name, step))
+                todo.append((name, ckpt, meta))
+    return todo, failed
 
 
 def checkpoint_meta(path: Path) -> dict[str, Any]:
@@ -66,15 +99,13 @@ def checkpoint_meta(path: Path) -> dict[str, Any]:
 
 
 def module_from_hparams(hparams: dict[str, Any] | None) -> DiTModule:
-    """A :class:`DiTModule` for sampling from saved hyperparameters: the network on the meta device (no EMA copy:
-    the weights loaded into it are the EMA's), frozen VAE / text encoder loaded from their saved paths."""
+    """A :class:`DiTModule` for sampling from saved hyperparameters, checked first
+    (:func:`~lightning_muon.recipes.module.checked_hparams`: plain data of the right types, nothing instantiated from
+    the file): the network on the meta device (no EMA copy: the weights loaded into it are the EMA's), frozen VAE /
+    text encoder loaded from their saved paths."""
     if not hparams:
         raise ValueError("The checkpoint has no hyper_parameters: it was not written by DiTModule.")
-    accepted = inspect.signature(DiTModule.__init__).parameters
-    unknown = sorted(k for k in hparams if k not in accepted and not k.startswith("_"))  # LightningCLI adds _keys
-    if unknown:
-        log.warning("Ignoring checkpoint hyper-parameters that DiTModule does not take: %s", ", ".join(unknown))
-    module = DiTModule(**{**{k: v for k, v in hparams.items() if k in accepted}, "ema_decay": 0.0})
+    module = DiTModule(**{**checked_hparams(hparams), "ema_decay": 0.0})
     with torch.device("meta"):
         module.model = build_transformer(module.hparams.architecture, module.model_config)
     module.configure_model()  # the network exists: this loads only the frozen models
@@ -88,8 +119,8 @@ def load_generator(path: Path, device: torch.device, dtype: torch.dtype = torch.
     if problem := checkpoint_problem(path):
         raise ValueError(f"Checkpoint {path} is incomplete or damaged: {problem}")
     meta = checkpoint_meta(path)
-    hparams = meta.get("hyper_parameters") or {}
-    module = module_from_hparams(hparams)
+    hparams = meta.get("hyper_parameters")
+    module = module_from_hparams(hparams)  # checks them: ema_decay below is a float
     prefix = "ema." if hparams.get("ema_decay", 0) > 0 else "model."
     net = module.model.to(dtype).to_empty(device=device)
     module.on_materialized()  # buffers that are not in the state dict (sin-cos position tables)
@@ -239,6 +270,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _score_checkpoint(
+    ckpt: Path,
+    meta: dict[str, Any],
+    metrics: dict[str, Any],
+    args: argparse.Namespace,
+    prompts: list[str] | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, float]:
+    """Generate from one checkpoint's sampling weights and score the samples."""
+    module, _ = load_generator(ckpt, device, dtype)
+    num_classes = args.num_classes or meta.get("hyper_parameters", {}).get("num_classes", 10)
+    values, _ = score_generation(
+        module,
+        metrics,
+        args.num_samples,
+        num_classes,
+        args.seed,
+        args.num_inference_steps,
+        args.guidance_scale,
+        args.batch_size,
+        desc=ckpt.name,
+        prompts=prompts,
+    )
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -279,35 +337,17 @@ def main(argv: list[str] | None = None) -> None:
 
     csv_path = out / "results.csv"
     rows = _read_rows(csv_path)
-    done = {(r["run"], r["checkpoint"]) for r in rows}
-    todo = [(Path(run).name or run, ckpt) for run in args.runs for ckpt in find_checkpoints(run)]
-    todo = [(run, ckpt) for run, ckpt in todo if (run, str(ckpt)) not in done]
-    if not todo and not rows:
+    todo, failed = plan_checkpoints(args.runs, rows)
+    if not todo and not rows and not failed:
         raise SystemExit(f"No checkpoints found under {args.runs}.")
-    failed: list[str] = []
-    for run, ckpt in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not rank0):
-        try:
-            module, meta = load_generator(ckpt, device, dtype)
-        except (ValueError, OSError) as err:  # a bad checkpoint is reported; the sweep goes on
-            failed.append(f"{ckpt}: {err}")
+    for run, ckpt, meta in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not rank0):
+        try:  # any failure of one checkpoint is reported and the sweep goes on
+            values = _score_checkpoint(ckpt, meta, metrics, args, prompts, device, dtype)
+        except Exception as err:
+            failed.append(f"{ckpt}: {type(err).__name__}: {err}")
             log.error("Skipping %s: %s", ckpt, err)
             continue
-        hparams = meta.get("hyper_parameters") or {}
-        num_classes = args.num_classes or hparams.get("num_classes", 10)
-        values, _ = score_generation(
-            module,
-            metrics,
-            args.num_samples,
-            num_classes,
-            args.seed,
-            args.num_inference_steps,
-            args.guidance_scale,
-            args.batch_size,
-            desc=ckpt.name,
-            prompts=prompts,
-        )
         rows.append({"run": run, "checkpoint": str(ckpt), "step": int(meta.get("global_step", 0)), **values})
-        del module
         if rank0:
             _write_rows(csv_path, rows)  # after every checkpoint: an interrupted evaluation resumes where it stopped
     if rank0:

@@ -71,21 +71,87 @@ def write_latent_shard(path: str | os.PathLike, latents: Tensor, **conditions: T
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp)))
 
 
+#: safetensors' own bound on the JSON header
+MAX_HEADER_BYTES = 100 * 2**20
+
+
 def read_safetensors_header(path: str | os.PathLike) -> tuple[int, dict[str, dict[str, Any]]]:
     """``(data_start, {name: {"dtype", "shape", "data_offsets"}})`` of a safetensors file (its 8-byte length and
-    JSON header; no tensor data is read)."""
+    JSON header; no tensor data is read), checked against the file as the ``safetensors`` library checks it before
+    trusting a byte: the header length bounded, every dtype from an allowlist, every shape a list of integers >= 0,
+    every tensor's span exactly shape × itemsize, spans back to back from the start of the data section without
+    overlap or gap, and the file exactly as long as the header says (a truncated or padded shard is refused).
+
+    Raises:
+        ValueError: naming the file and the tensor that is wrong.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file.")
+    file_size = path.stat().st_size
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 0 < size < 100 * 2**20:
-            raise ValueError(f"{path} is not a safetensors file (header length {size}).")
-        header = json.loads(f.read(size))
+        length = int.from_bytes(f.read(8), "little") if file_size >= 8 else 0
+        if not 0 < length <= min(MAX_HEADER_BYTES, file_size - 8):
+            raise ValueError(f"{path} is not a safetensors file (header length {length}, file size {file_size}).")
+        try:
+            header = json.loads(f.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({err}).") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is not a safetensors file: its header is not a JSON object.")
     header.pop("__metadata__", None)
-    return 8 + size, header
+    spans = sorted((_span(path, name, entry), name) for name, entry in header.items())
+    end = 0
+    for (begin, stop), name in spans:
+        if begin != end:
+            problem = "overlaps the tensor before it" if begin < end else "leaves a gap before it"
+            raise ValueError(f"{path}: tensor {name!r} at bytes [{begin}, {stop}) {problem}; the file is corrupt.")
+        end = stop
+    if 8 + length + end != file_size:
+        raise ValueError(
+            f"{path} holds {file_size - 8 - length} bytes of tensor data, its header describes {end}: the file is "
+            "truncated or corrupt. Re-encode it (delete it and rerun encode_latents)."
+        )
+    return 8 + length, header
+
+
+def _span(path: Path, name: str, entry: object) -> tuple[int, int]:
+    """The checked ``[begin, end)`` byte span of one header entry."""
+
+    def count(x: object) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise ValueError(f"{path}: tensor {name!r} needs exactly dtype, shape and data_offsets, got {entry!r:.200}.")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in _DTYPES:
+        raise ValueError(f"{path}: tensor {name!r} has dtype {dtype!r:.40}; allowed: {sorted(_DTYPES)}.")
+    if not isinstance(shape, list) or not all(count(d) for d in shape):
+        raise ValueError(f"{path}: tensor {name!r} has shape {shape!r:.200}; expected a list of integers >= 0.")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(count(o) for o in offsets):
+        raise ValueError(f"{path}: tensor {name!r} has data_offsets {offsets!r:.200}; expected [begin, end].")
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise ValueError(
+            f"{path}: tensor {name!r} spans bytes {offsets}, but {dtype} {shape} needs {nbytes}; the file is corrupt."
+        )
+    return offsets[0], offsets[1]
 
 
 def _schema(header: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per-sample shape and dtype of every tensor; all tensors must share the row count."""
+    """Per-sample shape and dtype of every tensor."""
     return {k: {"dtype": v["dtype"], "shape": v["shape"][1:]} for k, v in sorted(header.items())}
+
+
+def _row_count(path: Path, header: dict[str, dict[str, Any]]) -> int:
+    """The common row count of a checked shard header: a ``latents`` tensor, every tensor with a row dimension."""
+    rows = {v["shape"][0] if v["shape"] else None for v in header.values()}
+    if "latents" not in header or len(rows) != 1 or None in rows:
+        raise ValueError(
+            f"Shard {path} needs a 'latents' tensor and the same row count in every tensor, got "
+            f"{ ({k: v['shape'] for k, v in header.items()}) }."
+        )
+    return rows.pop()
 
 
 def write_manifest(root: str | os.PathLike, shards: Sequence[str | os.PathLike] | None = None) -> Path:
@@ -97,18 +163,15 @@ def write_manifest(root: str | os.PathLike, shards: Sequence[str | os.PathLike] 
         raise FileNotFoundError(f"No *.safetensors shards in {root} to list in a manifest.")
     entries, schema = [], None
     for path in files:
+        if path.parent.resolve() != root.resolve():
+            raise ValueError(f"Shard {path} is not in {root}: a manifest lists only files of its own folder.")
         _, header = read_safetensors_header(path)
-        rows = {len(v["shape"]) and v["shape"][0] for v in header.values()}
-        if len(rows) != 1 or "latents" not in header:
-            raise ValueError(
-                f"Shard {path} needs a 'latents' tensor and the same row count in every tensor, got "
-                f"{ ({k: v['shape'] for k, v in header.items()}) }."
-            )
+        rows = _row_count(path, header)
         if schema is None:
             schema = _schema(header)
         elif _schema(header) != schema:
             raise ValueError(f"Shard {path} has schema {_schema(header)}, the first shard {schema}.")
-        entries.append({"file": path.name, "num_samples": rows.pop()})
+        entries.append({"file": path.name, "num_samples": rows})
     manifest = {
         "format": FORMAT,
         "num_samples": sum(e["num_samples"] for e in entries),
@@ -117,6 +180,22 @@ def write_manifest(root: str | os.PathLike, shards: Sequence[str | os.PathLike] 
     }
     atomic_write(root / MANIFEST, lambda tmp: tmp.write_text(json.dumps(manifest, indent=1)))
     return root / MANIFEST
+
+
+def _manifest_shards(path: Path, manifest: object) -> list[dict[str, Any]]:
+    """The checked shard list of a manifest: plain file names of this folder, integer row counts."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{path} is not a {FORMAT} manifest (format {found!r:.80}).")
+    shards = manifest.get("shards")
+    for entry in shards if isinstance(shards, list) else [None]:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        rows = entry.get("num_samples") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise ValueError(f"{path} lists {entry!r:.200}: each shard must be a file name inside {path.parent}.")
+        if not isinstance(rows, int) or isinstance(rows, bool) or rows < 0:
+            raise ValueError(f"{path} lists {entry!r:.200}: num_samples must be an integer >= 0.")
+    return shards
 
 
 class LatentShards(Dataset):
@@ -138,24 +217,26 @@ class LatentShards(Dataset):
                 "arguments (it skips finished shards and writes the manifest last), or call "
                 "lightning_muon.recipes.data.write_manifest(root) for shards written by hand."
             )
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"{manifest_path} is not a {FORMAT} manifest (format {manifest.get('format')!r}).")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{manifest_path} is not JSON ({err}); rewrite it with write_manifest().") from None
+        shards = _manifest_shards(manifest_path, manifest)
         self.schema: dict[str, dict[str, Any]] = manifest["schema"]
-        self.files = [self.root / e["file"] for e in manifest["shards"]]
+        self.files = [self.root / e["file"] for e in shards]
         self.headers = []
-        for entry, path in zip(manifest["shards"], self.files):
+        for entry, path in zip(shards, self.files):
             if not path.is_file():
                 raise FileNotFoundError(f"Shard {path} listed in {manifest_path} is missing.")
             start, header = read_safetensors_header(path)
-            if _schema(header) != self.schema or any(v["shape"][0] != entry["num_samples"] for v in header.values()):
+            if _schema(header) != self.schema or _row_count(path, header) != entry["num_samples"]:
                 raise ValueError(
                     f"Shard {path} does not match {manifest_path}: it has "
                     f"{ ({k: (v['dtype'], v['shape']) for k, v in header.items()}) }, the manifest "
                     f"{entry['num_samples']} rows of {self.schema}. Re-encode it (delete it and rerun encode_latents)."
                 )
             self.headers.append((start, header))
-        self.offsets = torch.tensor([0] + [e["num_samples"] for e in manifest["shards"]]).cumsum(0)
+        self.offsets = torch.tensor([0] + [e["num_samples"] for e in shards]).cumsum(0)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
@@ -170,7 +251,11 @@ class LatentShards(Dataset):
         with open(self.files[shard], "rb", buffering=0) as f:
             for i, row in enumerate(rows.tolist()):
                 f.seek(start + entry["data_offsets"][0] + row * row_bytes)
-                f.readinto(memoryview(buffer)[i * row_bytes : (i + 1) * row_bytes])
+                if f.readinto(memoryview(buffer)[i * row_bytes : (i + 1) * row_bytes]) != row_bytes:
+                    raise OSError(
+                        f"Shard {self.files[shard]} ended inside row {row} of {name!r}: it was truncated after it was "
+                        "checked. Re-encode it (delete it and rerun encode_latents)."
+                    )
         return torch.frombuffer(buffer, dtype=dtype).view(len(rows), *row_shape)
 
     def __getitem__(self, ids: Sequence[int] | Tensor) -> dict[str, Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +17,11 @@ from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
 
-__all__ = ["OPTIMIZERS", "DiTModule", "PromptEncoder", "build_transformer"]
+__all__ = ["OPTIMIZERS", "DiTModule", "PlainValue", "PromptEncoder", "build_transformer", "checked_hparams"]
+
+#: A value of a config mapping (``model_config``, ``param_overrides``): plain data only, so neither a YAML file nor a
+#: checkpoint's hyper-parameters can name a class for jsonargparse to import and instantiate.
+PlainValue = int | float | str | bool | None | list[int | float | str | bool | None] | list[list[float]]
 
 OPTIMIZERS = ("adamw", "muon", "periodic_muon")
 ARCHITECTURES = ("dit", "pixart")
@@ -34,7 +39,7 @@ TINY_DIT = dict(
 )
 
 
-def build_transformer(architecture: str, config: dict[str, Any]) -> nn.Module:
+def build_transformer(architecture: str, config: dict[str, PlainValue]) -> nn.Module:
     """A diffusers ``DiTTransformer2DModel`` (``"dit"``) or ``PixArtTransformer2DModel`` (``"pixart"``) from kwargs."""
     from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
 
@@ -134,7 +139,7 @@ class DiTModule(L.LightningModule):
     def __init__(
         self,
         architecture: str = "dit",
-        model_config: dict[str, Any] | None = None,
+        model_config: dict[str, PlainValue] | None = None,
         num_classes: int = 10,
         objective: str = "flow",
         timestep_sampling: str = "logit_normal",
@@ -156,7 +161,7 @@ class DiTModule(L.LightningModule):
         drift_threshold: float = 0.05,
         min_period: int = 1,
         max_period: int | None = None,
-        param_overrides: dict[str, dict[str, Any]] | None = None,
+        param_overrides: dict[str, dict[str, PlainValue]] | None = None,
         warmup_steps: int = 0,
         schedule: str = "cosine",
         ema_decay: float = 0.999,
@@ -194,7 +199,7 @@ class DiTModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------- model
     @property
-    def model_config(self) -> dict[str, Any]:
+    def model_config(self) -> dict[str, PlainValue]:
         return dict(self.hparams.model_config or TINY_DIT)
 
     def configure_model(self) -> None:
@@ -501,3 +506,41 @@ class DiTModule(L.LightningModule):
         if (vae := self.vae) is not None:
             x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
         return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+
+
+#: Keys Lightning adds to saved hyper-parameters; ``_class_path`` may only name DiTModule itself.
+_LIGHTNING_KEYS = ("_instantiator", "_class_path")
+_OWN_CLASS_PATHS = (f"{DiTModule.__module__}.DiTModule", "lightning_muon.recipes.DiTModule")
+
+
+def checked_hparams(hparams: object) -> dict[str, Any]:
+    """A checkpoint's ``hyper_parameters``, checked against :class:`DiTModule`'s typed signature before anything is
+    built from them. Every value is parsed as its annotation, which is plain data (:data:`PlainValue`): nothing
+    named in the file is imported or instantiated. Lightning's own keys are dropped (``_class_path`` must name
+    DiTModule) and keys DiTModule does not take are dropped with a warning; missing ones stay missing.
+
+    Raises:
+        ValueError: the hyper-parameters are not a mapping, name another class, or hold a value of the wrong type.
+    """
+    import logging
+    from collections.abc import Mapping
+
+    from jsonargparse import ArgumentParser
+
+    if not isinstance(hparams, Mapping) or not all(isinstance(k, str) for k in hparams):
+        raise ValueError(f"Checkpoint hyper-parameters must be a mapping of names, got {type(hparams).__name__}.")
+    class_path = hparams.get("_class_path", _OWN_CLASS_PATHS[0])
+    if class_path not in _OWN_CLASS_PATHS:
+        raise ValueError(f"The checkpoint was saved for {class_path!r}, not DiTModule: it cannot be loaded here.")
+    accepted = inspect.signature(DiTModule.__init__).parameters
+    unknown = sorted(k for k in hparams if k not in accepted and k not in _LIGHTNING_KEYS)
+    if unknown:
+        logging.getLogger(__name__).warning("Ignoring hyper-parameters DiTModule does not take: %s", ", ".join(unknown))
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(DiTModule)
+    try:
+        parsed = parser.parse_object({k: v for k, v in hparams.items() if k in accepted}, defaults=True)
+    except Exception as err:  # jsonargparse's ArgumentError: a value that does not fit its type
+        reason = " ".join(str(err).split())
+        raise ValueError(f"Checkpoint hyper-parameters do not fit DiTModule: {reason}") from None
+    return {k: v for k, v in parsed.as_dict().items() if k in hparams}

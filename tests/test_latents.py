@@ -130,3 +130,121 @@ def test_encode_latents_flips_resumes_and_writes_the_manifest_last(tmp_path):
     }
     assert json.loads((tmp_path / "lat" / MANIFEST).read_text())["num_samples"] == 10
     torch.testing.assert_close(LatentShards(tmp_path / "lat")[[6, 7]]["latents"], want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------- untrusted shards
+def raw_shard(path, header, data=b""):
+    """A file laid out as safetensors (8-byte little-endian header length, JSON header, data) from any header."""
+    blob = json.dumps(header).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data)
+    return path
+
+
+def good_header(rows=3):
+    latents = rows * 4 * 4  # float32 (rows, 4)
+    return {
+        "latents": {"dtype": "F32", "shape": [rows, 4], "data_offsets": [0, latents]},
+        "labels": {"dtype": "I64", "shape": [rows], "data_offsets": [latents, latents + rows * 8]},
+    }, rows * 24
+
+
+def safetensors_refuses(path):
+    """The reference: the safetensors library's own reader (it validates a file before returning a tensor)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            for key in f.keys():
+                f.get_tensor(key)
+    except Exception:
+        return True
+    return False
+
+
+def malformed(name):
+    """One malformed shard per way a header can lie about its file (reproduced on the old reader)."""
+    header, size = good_header()
+    if name == "truncated":
+        return header, bytes(size - 40)
+    if name == "huge_row":  # 1 GiB per row in a 100-byte file
+        header["latents"] = {"dtype": "F32", "shape": [3, 2**28], "data_offsets": [0, 3 * 2**30]}
+        return header, bytes(100)
+    if name == "shape_2_60":
+        header["latents"]["shape"] = [3, 2**60]
+    if name == "past_the_end":
+        header["labels"]["data_offsets"] = [size, size + 24]
+    if name == "overlapping":  # labels decoded from latent bytes
+        header["labels"]["data_offsets"] = [0, 24]
+    if name == "short_span":
+        header["latents"]["data_offsets"] = [0, 40]
+    if name == "unknown_dtype":
+        header["labels"]["dtype"] = "Q8"
+    if name == "negative_dim":
+        header["labels"]["shape"] = [-3]
+    if name == "not_an_object":
+        header = [1, 2]
+    return header, bytes(size)
+
+
+MALFORMED = [
+    "truncated",
+    "huge_row",
+    "shape_2_60",
+    "past_the_end",
+    "overlapping",
+    "short_span",
+    "unknown_dtype",
+    "negative_dim",
+    "not_an_object",
+]
+
+
+def test_a_well_formed_raw_shard_is_read_by_us_and_by_safetensors(tmp_path):
+    """The control of the malformed cases: the same construction with an honest header is accepted by both."""
+    header, size = good_header()
+    path = raw_shard(tmp_path / "a.safetensors", header, bytes(size))
+    assert not safetensors_refuses(path)
+    write_manifest(tmp_path)
+    batch = LatentShards(tmp_path)[[0, 2]]
+    assert batch["latents"].shape == (2, 4) and torch.equal(batch["labels"], torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_shards_are_refused_before_training_naming_the_file(tmp_path, case):
+    header, data = malformed(case)
+    path = raw_shard(tmp_path / "a.safetensors", header, data)
+    assert safetensors_refuses(path), "the reference accepts this file: the case tests nothing"
+    with pytest.raises(ValueError, match="a.safetensors"):
+        write_manifest(tmp_path)
+    # a manifest written while the shard was whole, then the shard replaced: refused at construction (setup)
+    good, size = good_header()
+    raw_shard(path, good, bytes(size))
+    write_manifest(tmp_path)
+    raw_shard(path, header, data)
+    with pytest.raises(ValueError, match="a.safetensors"):
+        LatentShardsDataModule(str(tmp_path)).setup()
+
+
+def test_a_shard_truncated_after_setup_raises_on_read(tmp_path):
+    full = latent_dir(tmp_path, sizes=(4,), caption=False)
+    data = LatentShards(tmp_path)
+    assert torch.equal(data[[3]]["latents"], full["latents"][[3]])  # control: the whole file reads
+    path = tmp_path / "shard_00000.safetensors"
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(OSError, match="shard_00000.safetensors ended inside row"):
+        data[[3]]
+
+
+@pytest.mark.parametrize(
+    "entry", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/a.safetensors", "..", 7, None]
+)
+def test_manifest_entries_outside_the_folder_are_refused(tmp_path, entry):
+    latent_dir(tmp_path / "data", sizes=(3,), caption=False)
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((tmp_path / "data" / "shard_00000.safetensors").read_bytes())
+    manifest = json.loads((tmp_path / "data" / MANIFEST).read_text())
+    assert len(LatentShards(tmp_path / "data")) == 3  # control: the honest manifest loads
+    manifest["shards"][0]["file"] = entry
+    (tmp_path / "data" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="file name inside"):
+        LatentShards(tmp_path / "data")
