@@ -137,6 +137,12 @@ def main(args: list[str] | None = None) -> None:
     """``lightning-muon evaluate ...`` evaluates checkpoints; every other subcommand is LightningCLI's."""
     import sys
 
+    from jsonargparse import set_parsing_settings
+
+    # Beside the typed signatures (nothing a checkpoint holds can name a class): a value typed Any is never
+    # instantiated from a class_path, and class_paths into os, subprocess, eval and the rest of jsonargparse's
+    # denylist are refused, so a config meant as data cannot reach them through a parameter we did not type.
+    set_parsing_settings(instantiate_subclass_spec_in_any=False, import_path_denylist=[])
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["evaluate"]:
         from lightning_muon.recipes.evaluate import main as evaluate
