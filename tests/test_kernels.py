@@ -21,7 +21,7 @@ def reference_ns(G: torch.Tensor, coefficients, eps=1e-7) -> torch.Tensor:
     tall = X.shape[0] > X.shape[1]
     if tall:
         X = X.T
-    X = X / (X.norm() + eps)
+    X = X / X.norm().clamp_min(eps)
     for a, b, c in coefficients:
         A = X @ X.T
         X = a * X + b * (A @ X) + c * (A @ A @ X)

@@ -68,7 +68,7 @@ def reference_step(W, G, M, t, *, lr, beta, nesterov, wd, K, gamma, adjust_lr, e
     s = math.sqrt(max(1, m / n)) if adjust_lr == "original" else 0.2 * math.sqrt(max(m, n))
     if (t - 1) % K == 0:
         X = N.T if m > n else N
-        X = X / (X.norm() + eps)
+        X = X / X.norm().clamp_min(eps)
         for _ in range(5):
             a, b, c = DEFAULT_NS_COEFFICIENTS
             A = X @ X.T

@@ -19,12 +19,12 @@ F64 = torch.float64
 
 def reference(G, coefficients, safety=1.0, aol=False, eps=1e-7):
     """Textbook loop on one matrix in float64 (modded-nanogpt's Polar Express form; AOL as in Turbo-Muon, unfused):
-    wide orientation, X / (s·‖X‖_F + eps), optional X ← diag(Σ_j |XXᵀ|_ij)^(-1/2) X / s, then
+    wide orientation, X / max(s·‖X‖_F, eps), optional X ← diag(Σ_j |XXᵀ|_ij)^(-1/2) X / s, then
     X ← aX + (bA + cA²)X with A = XXᵀ recomputed every iteration."""
     X = G.double()
     tall = X.shape[0] > X.shape[1]
     X = X.T if tall else X
-    X = X / (safety * X.norm() + eps)
+    X = X / (safety * X.norm()).clamp_min(eps)
     if aol:
         X = X / (X @ X.T).abs().sum(1).clamp_min(eps).sqrt()[:, None] / safety
     for a, b, c in coefficients:

@@ -27,7 +27,7 @@ __all__ = [
 
 #: Keller Jordan's quintic coefficients (a, b, c), also torch.optim.Muon's defaults.
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-ADJUST_LR_CHOICES = ("original", "match_rms_adamw")
+ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral_unclamped")
 NS_METHODS = ("standard", "gram")
 NS_NORMALIZE = ("frobenius", "aol")
 
@@ -65,25 +65,31 @@ def resolve_ns_coefficients(coefficients: Coefficients, steps: int) -> list[tupl
         ValueError: if ``steps < 1``, the name is unknown, or a sequence of triples does not have exactly ``steps``
             entries.
     """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"Newton-Schulz steps must be a positive integer, got {steps!r}.")
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps < 100:
+        raise ValueError(f"Newton-Schulz steps must be a positive integer below 100 (as torch.optim.Muon): {steps!r}.")
     if isinstance(coefficients, str):
         if coefficients not in NS_PRESETS:
             raise ValueError(f"Unknown ns_coefficients preset {coefficients!r}; choose one of {sorted(NS_PRESETS)}.")
         schedule = NS_PRESETS[coefficients][0]
         return [schedule[min(i, len(schedule) - 1)] for i in range(steps)]
-    coefficients = tuple(coefficients)
-    if len(coefficients) == 3 and all(isinstance(c, (int, float)) for c in coefficients):
-        return [tuple(float(c) for c in coefficients)] * steps
-    triples = [tuple(float(c) for c in triple) for triple in coefficients]
-    if any(len(t) != 3 for t in triples):
-        raise ValueError(f"Newton-Schulz coefficients must be (a, b, c) or a sequence of triples, got {coefficients}.")
+    given = tuple(coefficients)
+    triples = ((given,) * steps if len(given) == 3 else (given,)) if all(_is_number(c) for c in given) else given
+    if not all(isinstance(t, Sequence) and len(t) == 3 and all(_is_number(c) for c in t) for t in triples):
+        raise ValueError(
+            f"Newton-Schulz coefficients must be exactly 3 values (a, b, c) or a sequence of such triples, got "
+            f"{given!r:.200}."
+        )
+    triples = [tuple(float(c) for c in triple) for triple in triples]
     if len(triples) != steps:
         raise ValueError(
             f"Got {len(triples)} Newton-Schulz coefficient triples for {steps} steps; pass one triple per step "
             "or set ns_steps to the number of triples."
         )
     return triples
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,8 @@ class Orthogonalizer:
     On the wide orientation :math:`X \in \mathbb{R}^{p \times q}`, :math:`p \le q` (tall matrices run the same
     recursion transposed, written without transposing):
 
-    * normalization ``"frobenius"``: :math:`X_0 = X / (s\lVert X \rVert_F + \varepsilon)` with safety factor
+    * normalization ``"frobenius"``: :math:`X_0 = X / \max(s\lVert X \rVert_F, \varepsilon)` (torch.optim.Muon's
+      clamp, so gradients of any scale give its result bit for bit) with safety factor
       :math:`s`; ``"aol"`` (Turbo-Muon, arXiv 2512.04632; AOL, Prach & Lampert 2022): after the Frobenius step,
       :math:`X_0 = D X / s`, :math:`D = \mathrm{diag}(\sum_j |XX^\top|_{ij})^{-1/2}`, which bounds
       :math:`\lVert X_0 \rVert_2 \le 1` and, where rows have unequal norms, lifts the small singular values; its Gram
@@ -130,7 +137,7 @@ class Orthogonalizer:
         """Orthogonalize a contiguous ``(B, m, n)`` batch in :attr:`dtype`, which it may overwrite."""
         m, n = X.shape[-2:]
         tall = m > n
-        X.div_(torch.linalg.matrix_norm(X, keepdim=True).mul_(self.safety).add_(self.eps))
+        X.div_(torch.linalg.matrix_norm(X, keepdim=True).mul_(self.safety).clamp_min_(self.eps))
         A = None
         if self.normalize == "aol":
             A = _gram(X, tall)
@@ -212,7 +219,7 @@ def newton_schulz(
     r"""Approximate the polar factor :math:`UV^\top` of each matrix in a ``(..., m, n)`` batch.
 
     .. math::
-        X_0 = X / (\lVert X \rVert_F + \varepsilon), \qquad
+        X_0 = X / \max(\lVert X \rVert_F, \varepsilon), \qquad
         A_k = X_k X_k^\top, \qquad
         X_{k+1} = a_k X_k + (b_k A_k + c_k A_k^2) X_k
 
@@ -225,7 +232,7 @@ def newton_schulz(
         steps: number of quintic iterations.
         coefficients: one (a, b, c) triple for every step, a sequence with one triple per step, or a preset name
             of :data:`NS_PRESETS` (``"jordan"``, ``"polar_express"``, ``"turbo_muon"``).
-        eps: added to the Frobenius norm before normalizing.
+        eps: lower bound of the Frobenius norm it divides by (as torch.optim.Muon).
         dtype: computation dtype (``None`` keeps ``X.dtype``).
         normalize: ``"frobenius"`` or ``"aol"``.
         method: ``"standard"`` or ``"gram"``.
@@ -283,10 +290,13 @@ def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim
 
 
 def masked_scalar(ok: Tensor, value: float | Tensor, identity: float, like: Tensor) -> Tensor:
-    """``value`` where the device verdict ``ok`` holds, else ``identity``: a 0-d tensor in ``like``'s dtype and device
-    (rounded as the Python scalar would be), made without a host synchronization."""
-    value = value.to(like) if isinstance(value, Tensor) else torch.full((), value, dtype=like.dtype, device=like.device)
-    return torch.where(ok, value, identity)
+    """``value`` where the device verdict ``ok`` holds, else ``identity``: a 0-d tensor on ``like``'s device, made
+    without a host synchronization, in at least float32 — as a Python scalar is applied: a bf16 weight multiplied by
+    it is computed in float32 and rounded once (never by a bf16-rounded factor: 0.998 would become 0.996)."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    if isinstance(value, Tensor):
+        return torch.where(ok, value.to(like.device, dtype), identity)
+    return torch.where(ok, torch.full((), value, dtype=dtype, device=like.device), identity)
 
 
 def rownorm_update_(
@@ -335,13 +345,16 @@ def shape_factor(shape: Sequence[int], adjust_lr: str = "original") -> float:
     r"""Update scale :math:`s(m, n)` shared by the NS5 and RowNorm branches.
 
     ``"original"``: :math:`\sqrt{\max(1, m/n)}` (Keller Jordan, torch.optim.Muon);
-    ``"match_rms_adamw"``: :math:`0.2\sqrt{\max(m, n)}` (Moonlight), which gives the update AdamW's RMS.
+    ``"match_rms_adamw"``: :math:`0.2\sqrt{\max(m, n)}` (Moonlight), which gives the update AdamW's RMS;
+    ``"spectral_unclamped"``: :math:`\sqrt{m/n}` (torch.optim.Muon's option of that name).
     """
     m, n = shape[-2], shape[-1]
     if adjust_lr == "original":
         return math.sqrt(max(1.0, m / n))
     if adjust_lr == "match_rms_adamw":
         return 0.2 * math.sqrt(max(m, n))
+    if adjust_lr == "spectral_unclamped":
+        return math.sqrt(m / n)
     raise ValueError(f"adjust_lr must be one of {ADJUST_LR_CHOICES}, got {adjust_lr!r}.")
 
 

@@ -118,7 +118,9 @@ class PeriodicRowwiseMuon(Optimizer):
     collective the step runs anyway (the RowNorm statistics all-reduce, or a flag element in the first refresh
     bucket); ``nonfinite_steps_skipped`` reads the on-device count (that read synchronizes). ``"raise"`` raises
     ``FloatingPointError`` naming the parameter before anything is written (one host synchronization per step).
-    ``"ignore"`` checks nothing (as torch's optimizers). A skipped step still counts in the refresh schedule and in
+    ``"ignore"`` checks nothing (as torch's optimizers). The verdict is read from the row statistics and gradient
+    norms, so a finite gradient whose squares overflow (:math:`|g| \gtrsim 10^{19}` in float32) counts as non-finite:
+    RowNorm and AdamW would divide it by an infinite norm. A skipped step still counts in the refresh schedule and in
     AdamW's bias-correction step, so the schedule never waits on the device. AdamW groups are bit-identical to
     ``torch.optim.AdamW`` in every mode on finite steps.
 
@@ -144,7 +146,7 @@ class PeriodicRowwiseMuon(Optimizer):
             no extra matmul: closer to orthogonal before the first iteration, so one fewer iteration serves).
         ns_method: ``"standard"`` (default) or ``"gram"``: the Gram-space iteration on min(m, n)² matrices for
             rectangular matrices where it needs fewer FLOPs (≈ 0.6-0.7x at 4:1 and 6:1), equal in exact arithmetic.
-        adjust_lr: shape factor :math:`s(m, n)`: ``"original"`` or ``"match_rms_adamw"``.
+        adjust_lr: shape factor :math:`s(m, n)`: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_unclamped"``.
         schedule: when matrices refresh. ``"fixed"`` (default): every ``period`` steps, all matrices of a group
             together (layer-wise K and γ: give groups their own ``period`` / ``rownorm_scale``, e.g. through
             ``muon_param_groups(overrides={"attention": {"period": 2}})``). ``"adaptive"``: each matrix on its own,
@@ -292,23 +294,7 @@ class PeriodicRowwiseMuon(Optimizer):
         self.__dict__.setdefault("refresh_mode", "scatter")
         self.__dict__.setdefault("bucket_mb", 64.0)
         for group in self.param_groups:
-            group.setdefault("use_muon", True)
-            group.setdefault("step", 0)
-            if group["use_muon"]:
-                group.setdefault("ns_eps", 1e-7)
-                group.setdefault("ns_coefficients", DEFAULT_NS_COEFFICIENTS)
-                group.setdefault("ns_dtype", None)
-                group.setdefault("ns_normalize", "frobenius")
-                group.setdefault("ns_method", "standard")
-                for key, value in (
-                    ("schedule", "fixed"),
-                    ("drift_threshold", 0.05),
-                    ("min_period", 1),
-                    ("max_period", None),
-                ):
-                    group.setdefault(key, value)
-            else:
-                group.setdefault("momentum", tuple(group["betas"])[0])
+            _fill_group_defaults(group)
 
     @property
     def nonfinite_steps_skipped(self) -> int:
@@ -316,27 +302,27 @@ class PeriodicRowwiseMuon(Optimizer):
         return 0 if self._skipped is None else int(self._skipped)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict after checking it was saved for the same parameter layout and valid hyperparameters.
+        """Load a state dict after checking all of it — the parameter layout, every group's hyperparameters (a
+        foreign optimizer's, e.g. ``torch.optim.Muon``'s, lack ``period`` / ``rownorm_scale``), state shapes and
+        finiteness — on copies: a rejected state dict leaves this optimizer as it was.
 
         Raises:
             ValueError: naming the first group or parameter whose branch, hyperparameter or state shape is wrong.
         """
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+            raise ValueError("Not an optimizer state dict: expected a dict with a 'param_groups' list and 'state'.")
         self._check_layout(state_dict)
+        for g, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups)):
+            _check_saved_group(g, {**saved, "params": group["params"]})
         super().load_state_dict(state_dict)
         for state in self.state.values():  # torch moves loaded state to the parameter's device; these stay on the host
             for key in HOST_STATE:
                 if key in state:
                     state[key] = state[key].cpu()
-        for g, group in enumerate(self.param_groups):
-            step = group.setdefault("step", 0)
-            if isinstance(step, Tensor):  # a distributed checkpoint may hand back a tensor
-                group["step"] = step = int(step)
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"Param group {g} was saved with step={step!r}; expected an integer >= 0.")
-            try:
-                (_validate_muon_group if group["use_muon"] else _validate_adamw_group)(group)
-            except ValueError as err:
-                raise ValueError(f"Param group {g} of the loaded state: {err}") from err
+        for group in self.param_groups:
+            _fill_group_defaults(group)
+            group["step"] = int(group["step"])  # a distributed checkpoint may hand back a tensor
+            (_validate_muon_group if group["use_muon"] else _validate_adamw_group)(group)  # ns_dtype by name
 
     def _check_layout(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -358,7 +344,7 @@ class PeriodicRowwiseMuon(Optimizer):
                     f"use_muon={saved.get('use_muon', True)}. " + hint
                 )
             for i, (index, param) in enumerate(zip(saved["params"], group["params"])):
-                for key, value in state_dict["state"].get(index, {}).items():
+                for key, value in state_dict.get("state", {}).get(index, {}).items():
                     if isinstance(value, Tensor) and value.ndim > 0 and value.shape != param.shape:
                         raise ValueError(
                             f"Saved state {key!r} of {_param_name(group, i)} has shape {tuple(value.shape)}, "
@@ -514,19 +500,26 @@ class PeriodicRowwiseMuon(Optimizer):
         return (flag_ok(flat[-1:]) if checking else None), None
 
     def _raise_if_nonfinite(self, works: list[_Work], ok: Tensor) -> None:
-        """``nonfinite="raise"``: one host synchronization; the error names a parameter with a NaN/inf gradient."""
+        """``nonfinite="raise"``: one host synchronization; the error names a parameter whose gradient is NaN/inf or
+        whose sum of squares overflows (the statistics the verdict is read from)."""
         if bool(ok):
             return
-        name = "a parameter on another rank"
+        culprit = "Non-finite (NaN or inf) or overflowing gradient in a parameter on another rank"
         for group, w in zip(self.param_groups, works):
             names = {id(p): _param_name(group, i) for i, p in enumerate(group["params"])}
-            bad = next((names[id(p)] for p, g in zip(w.params, w.grads) if not _all_finite(g)), None)
-            if bad is not None:
-                name = bad
+            bad = next((p for p, g in zip(w.params, w.grads) if not _all_finite(g)), None)
+            sums = [_local(g).float().square().sum() for g in w.grads]
+            big = next((p for p, sq in zip(w.params, sums) if not _all_finite(sq)), None)
+            if bad is not None or big is not None:
+                culprit = (
+                    f"Non-finite (NaN or inf) gradient in {names[id(bad)]}"
+                    if bad is not None
+                    else f"Gradient of {names[id(big)]} is finite, but its squares overflow float32 (|g| > ~1e19)"
+                )
                 break
         raise FloatingPointError(
-            f"Non-finite (NaN or inf) gradient in {name}. Lower the learning rate, enable gradient clipping or loss "
-            "scaling, or use nonfinite='skip' to skip such steps."
+            f"{culprit}. Lower the learning rate, enable gradient clipping or loss scaling, or use nonfinite='skip' "
+            "to skip such steps."
         )
 
     # ---------------------------------------------------------------------------------------------------- step
@@ -679,7 +672,7 @@ class PeriodicRowwiseMuon(Optimizer):
         exp_avg_sqs = [_local(s["exp_avg_sq"]) for s in states]
         steps = [s["step"] for s in states]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["momentum"], tuple(group["betas"])[1]
+        beta1, beta2 = _scalar(group["momentum"]), _scalar(tuple(group["betas"])[1])
         group["betas"] = (beta1, beta2)  # momentum (what cyclic schedulers change) is beta1
         lerp_to, sq_of, moment = grads, grads, exp_avgs
         if ok is not None:
@@ -751,7 +744,7 @@ def _orthogonalize_items(matrices: list[Tensor], items: Sequence[RefreshItem]) -
     for i, (x, item) in enumerate(zip(matrices, items)):
         buckets[(tuple(x.shape), x.device, item.ortho)].append(i)
     for (shape, device, ortho), index in buckets.items():
-        per_batch = max(1, MAX_NS_BATCH_BYTES // (math.prod(shape) * ortho.dtype.itemsize))
+        per_batch = max(1, MAX_NS_BATCH_BYTES // max(1, math.prod(shape) * ortho.dtype.itemsize))
         for start in range(0, len(index), per_batch):
             chunk = index[start : start + per_batch]
             X = torch.empty((len(chunk), *shape), dtype=ortho.dtype, device=device)
@@ -801,6 +794,47 @@ def _orthogonalizer(group: dict[str, Any], dtype: torch.dtype) -> Orthogonalizer
     )
 
 
+#: group options without a default for state dicts saved before they existed
+REQUIRED_KEYS = {
+    True: ("lr", "momentum", "nesterov", "weight_decay", "period", "rownorm_scale", "ns_steps", "adjust_lr"),
+    False: ("lr", "betas", "eps", "weight_decay"),
+}
+
+
+def _fill_group_defaults(group: dict[str, Any]) -> None:
+    """Options added after a state dict was saved take their defaults (``__setstate__`` and ``load_state_dict``)."""
+    group.setdefault("use_muon", True)
+    group.setdefault("step", 0)
+    if group["use_muon"]:
+        defaults = dict(ns_eps=1e-7, ns_coefficients=DEFAULT_NS_COEFFICIENTS, ns_dtype=None, ns_normalize="frobenius")
+        defaults.update(ns_method="standard", schedule="fixed", drift_threshold=0.05, min_period=1, max_period=None)
+        for key, value in defaults.items():
+            group.setdefault(key, value)
+    elif isinstance(group.get("betas"), (tuple, list)) and group["betas"]:
+        group.setdefault("momentum", group["betas"][0])
+
+
+def _check_saved_group(index: int, group: dict[str, Any]) -> None:
+    """Validate a copy of a saved param group (with this optimizer's params) before anything is loaded."""
+    use_muon = group.get("use_muon", True)
+    missing = sorted(set(REQUIRED_KEYS[bool(use_muon)]) - set(group))  # extra keys are allowed: lr schedulers add some
+    if missing:
+        raise ValueError(
+            f"Param group {index} of the state dict lacks {missing}: it was not saved by PeriodicRowwiseMuon "
+            "(torch.optim.Muon's has no period or rownorm_scale). Load a state dict this optimizer saved, or start "
+            "the optimizer fresh."
+        )
+    _fill_group_defaults(group)
+    step = group["step"]
+    step = int(step) if isinstance(step, Tensor) and step.numel() == 1 and not step.is_floating_point() else step
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"Param group {index} was saved with step={step!r}; expected an integer >= 0.")
+    try:
+        (_validate_muon_group if use_muon else _validate_adamw_group)(group)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"Param group {index} of the loaded state: {err}") from err
+
+
 def _validate_muon_group(group: dict[str, Any]) -> None:
     """Check a Muon group's options and parameters; stores ``ns_dtype`` by name ("bfloat16", ...)."""
     _check_nonnegative(group, "lr", "weight_decay", "rownorm_scale", "ns_eps")
@@ -840,10 +874,22 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
 
 
 def _validate_adamw_group(group: dict[str, Any]) -> None:
+    """Check an AdamW group's options (betas as torch.optim.AdamW takes them: two floats or two 1-element tensors)."""
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be two values in [0, 1), got {betas!r}.")
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):
+        raise ValueError("betas must be either both floats or both Tensors.")
+    if isinstance(betas[0], Tensor) and not all(b.numel() == 1 for b in betas):
+        raise ValueError("Tensor betas must be 1-element.")
+    if not all(0.0 <= _scalar(b) < 1.0 for b in betas):
+        raise ValueError(f"betas must be two values in [0, 1), got {betas!r}.")
     _check_nonnegative(group, "lr", "weight_decay", "eps", "momentum")
-    betas = tuple(group["betas"])
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two values in [0, 1), got {group['betas']}.")
+
+
+def _scalar(x: float | Tensor) -> float:
+    """A Python number from a float or a 1-element tensor (a tensor beta: read once per step, as torch's AdamW)."""
+    return x.item() if isinstance(x, Tensor) else x
 
 
 def _check_nonnegative(group: dict[str, Any], *keys: str) -> None:
