@@ -428,3 +428,103 @@ def test_tensor_lr_equals_float_lr():
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="lr must be a finite number"):
         PeriodicRowwiseMuon(make_params([(4, 4)]), lr=torch.tensor(-1.0))
+
+
+# ------------------------------------------------------------------------------------------------ the edges
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda sd: sd["param_groups"][0].update(period=0), "period"),
+        (lambda sd: sd["param_groups"][0].update(lr=-1.0), "lr must be"),
+        (lambda sd: sd["param_groups"][0].update(ns_steps=100), "below 100"),
+        (lambda sd: sd["param_groups"][1].update(betas=(0.9, 1.5)), "betas"),
+        (lambda sd: sd["param_groups"][0].pop("rownorm_scale"), "not saved by PeriodicRowwiseMuon"),
+    ],
+)
+def test_a_rejected_state_dict_changes_nothing(corrupt, message):
+    w, b = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = PeriodicRowwiseMuon([{"params": [w]}, {"params": [b], "use_muon": False}], period=3, lr=0.02)
+    w.grad, b.grad = torch.randn(8, 4), torch.randn(4)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    state = copy.deepcopy(before)
+    corrupt(state)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(state)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]  # period 3, lr 0.02: nothing was written
+    opt.step()  # and it still steps
+
+
+def test_a_torch_muon_state_dict_is_a_clear_error():
+    theirs, mine = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8, 4))
+    torch_muon = torch.optim.Muon([theirs])
+    theirs.grad = torch.randn(8, 4)
+    torch_muon.step()
+    opt = PeriodicRowwiseMuon([mine])
+    with pytest.raises(ValueError, match=r"lacks \['adjust_lr', 'period', 'rownorm_scale'\].*not saved by"):
+        opt.load_state_dict(torch_muon.state_dict())
+    mine.grad = torch.randn(8, 4)
+    opt.step()  # the optimizer is not left broken
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise", "ignore"])
+def test_bf16_weights_decay_as_torch_muon_never_faster(nonfinite):
+    """100 zero-gradient steps at lr 0.02, wd 0.1: the factor 0.998 is applied in float32 and each product rounded
+    to bf16, as torch.optim.Muon does (small decays are lost to rounding); a bf16-rounded factor (0.99609375) would
+    shrink the weights to ~0.58."""
+    w0 = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+    ours, theirs = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt = PeriodicRowwiseMuon([ours], lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16, nonfinite=nonfinite)
+    ref = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1)
+    for _ in range(100):
+        ours.grad, theirs.grad = torch.zeros_like(w0), torch.zeros_like(w0)
+        opt.step()
+        ref.step()
+    assert torch.equal(ours, theirs)
+    control = w0.clone()
+    for _ in range(100):
+        control.mul_(torch.tensor(0.998).bfloat16())
+    ratio = (control.float().norm() / w0.float().norm()).item()
+    assert ratio < 0.7 and (ours.float().norm() / w0.float().norm()).item() > 0.99  # the guard is what differs
+
+
+def test_overflowing_gradients_count_as_nonfinite_and_raise_names_them():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    opt = PeriodicRowwiseMuon([("w", w)], period=2, nonfinite="raise")
+    w.grad = torch.full((4, 4), 1e20)  # finite, but its squares overflow float32
+    with pytest.raises(FloatingPointError, match="'w'.*finite, but its squares overflow"):
+        opt.step()
+    w.grad = torch.full((4, 4), 1e15)  # control: large but representable statistics step normally
+    opt.step()
+    assert w.isfinite().all()
+    skip = PeriodicRowwiseMuon([w], period=2)
+    w.grad = torch.full((4, 4), 1e20)
+    skip.step()
+    assert skip.nonfinite_steps_skipped == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"ns_coefficients": (3.4, -4.7)}, "exactly 3 values"),
+        ({"ns_coefficients": [(3.4, -4.7, 2.0), (3.4, -4.7)]}, "exactly 3 values"),
+        ({"ns_steps": 100}, "below 100"),
+        ({"betas": (0.9, torch.tensor(0.99))}, "both floats or both Tensors"),
+    ],
+)
+def test_torch_validation_errors(kwargs, error):
+    params = [{"params": [torch.nn.Parameter(torch.randn(4, 4))]}, {"params": [torch.randn(3)], "use_muon": False}]
+    with pytest.raises(ValueError, match=error):
+        PeriodicRowwiseMuon(params, **kwargs)
+
+
+def test_tensor_betas_equal_float_betas():
+    shapes = [(4,), (3, 2)]
+    a, b = make_params(shapes), make_params(shapes)
+    runs = [
+        (PeriodicRowwiseMuon([{"params": a, "use_muon": False}], betas=(torch.tensor(0.8), torch.tensor(0.9))), a),
+        (PeriodicRowwiseMuon([{"params": b, "use_muon": False}], betas=(0.8, 0.9)), b),
+    ]
+    run(runs, steps=3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

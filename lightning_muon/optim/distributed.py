@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.optim.kernels import Orthogonalizer, masked_scalar
+from lightning_muon.optim.kernels import Orthogonalizer, scale_
 
 __all__ = [
     "CommStats",
@@ -187,7 +187,7 @@ def apply_refresh(
         decay, scale = items[index[0]].decay, items[index[0]].scale
         weights = [items[j].weight for j in index]
         if isinstance(decay, Tensor) or decay != 1.0:
-            torch._foreach_mul_(weights, decay if ok is None else masked_scalar(ok, decay, 1.0, weights[0]))
+            scale_(weights, decay, ok)
         if isinstance(scale, Tensor):
             torch._foreach_add_(weights, [orthos[j].float() * scale for j in index])
         else:  # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is ~6x slower)

@@ -299,6 +299,17 @@ def masked_scalar(ok: Tensor, value: float | Tensor, identity: float, like: Tens
     return torch.where(ok, torch.full((), value, dtype=dtype, device=like.device), identity)
 
 
+def scale_(tensors: list[Tensor], factor: float | Tensor, ok: Tensor | None = None) -> None:
+    """``tensors *= factor`` (an identity where the device verdict ``ok`` is False), the factor applied in at least
+    float32 as ``Tensor.mul_`` applies a Python scalar: torch's multi-tensor multiply would first round a Python
+    scalar to a bf16 list's dtype (a weight decay of 0.998 would become 0.996)."""
+    if ok is not None:
+        factor = masked_scalar(ok, factor, 1.0, tensors[0])
+    elif not isinstance(factor, Tensor) and tensors[0].dtype in (torch.bfloat16, torch.float16):
+        factor = torch.full((), factor, dtype=torch.float32, device=tensors[0].device)
+    torch._foreach_mul_(tensors, factor)
+
+
 def rownorm_update_(
     W: Tensor,
     M: Tensor,

@@ -33,10 +33,10 @@ from lightning_muon.optim.kernels import (
     default_ns_dtype,
     drift_sums,
     make_orthogonalizer,
-    masked_scalar,
     row_norm_dim,
     rownorm_sumsq,
     rownorm_update_,
+    scale_,
     shape_factor,
 )
 
@@ -681,9 +681,9 @@ class PeriodicRowwiseMuon(Optimizer):
         _add_(steps, 1.0, self.foreach)
         if wd != 0:
             decay = 1 - lr * wd
-            _mul_(params, decay if ok is None else masked_scalar(ok, decay, 1.0, params[0]), self.foreach)
+            scale_(params, decay, ok)
         _lerp_(exp_avgs, lerp_to, 1 - beta1, self.foreach)
-        _mul_(exp_avg_sqs, beta2 if ok is None else masked_scalar(ok, beta2, 1.0, exp_avg_sqs[0]), self.foreach)
+        scale_(exp_avg_sqs, beta2, ok)
         if self.foreach:
             torch._foreach_addcmul_(exp_avg_sqs, sq_of, sq_of, 1 - beta2)
         else:
@@ -713,14 +713,6 @@ def _lerp_(xs: list[Tensor], ys: list[Tensor], weight: float, foreach: bool) -> 
     else:
         for x, y in zip(xs, ys):
             x.lerp_(y, weight)
-
-
-def _mul_(xs: list[Tensor], value: float, foreach: bool) -> None:
-    if foreach:
-        torch._foreach_mul_(xs, value)
-    else:
-        for x in xs:
-            x.mul_(value)
 
 
 def _add_(xs: list[Tensor], value: float, foreach: bool) -> None:
