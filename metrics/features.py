@@ -50,6 +50,8 @@ def check_images(images: Tensor) -> Tensor:
     tensor outside that range is an error naming the range it looks like, never silently wrapped or rescaled."""
     if images.ndim != 4 or images.shape[1] not in (1, 3):
         raise ValueError(f"Expected images (B, 1 or 3, H, W), got shape {tuple(images.shape)}.")
+    if images.shape[2] < 1 or images.shape[3] < 1:
+        raise ValueError(f"Images need at least 1x1 pixels, got shape {tuple(images.shape)}.")
     if images.dtype == torch.uint8 or images.numel() == 0:
         return images
     if not images.is_floating_point():

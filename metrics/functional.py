@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "check_finite",
     "frechet_distance",
     "gaussian_from_sums",
     "inception_score",
@@ -21,6 +22,16 @@ __all__ = [
     "prdc_counts",
     "prdc_from_counts",
 ]
+
+
+def check_finite(what: str, *tensors: Tensor) -> None:
+    """Raise unless every entry is finite: NaN/inf features mean a broken extractor (weights, dtype overflow) or
+    images, and would otherwise reach ``eigh`` or a kernel sum as a raw error or a silent NaN."""
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        raise ValueError(
+            f"{what} contain NaN or inf: the feature extractor produced non-finite features. Check its weights, run "
+            "it in float32, and check the images."
+        )
 
 
 def gaussian_from_sums(feature_sum: Tensor, outer_sum: Tensor, n: int | Tensor) -> tuple[Tensor, Tensor]:
@@ -45,6 +56,7 @@ def frechet_distance(mu1: Tensor, sigma1: Tensor, mu2: Tensor, sigma2: Tensor) -
     Eigenvalues that round below zero are clamped.
     """
     mu1, mu2, sigma1, sigma2 = (t.double() for t in (mu1, mu2, sigma1, sigma2))
+    check_finite("Fréchet distance statistics", mu1, mu2, sigma1, sigma2)
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (mu1.numel(), mu1.numel()):
         raise ValueError(
             f"Shapes do not match: mu {tuple(mu1.shape)} / {tuple(mu2.shape)}, "
@@ -141,6 +153,7 @@ def check_prdc_inputs(real: Tensor, fake: Tensor, k: int) -> None:
         raise ValueError(
             f"PRDC with k={k} needs more than {k} real and fake samples, got {len(real)} real and {len(fake)} fake."
         )
+    check_finite("PRDC features", real, fake)
 
 
 def prdc(
@@ -203,8 +216,12 @@ def mmd_from_sums(sums: Tensor, n: int, m: int, scale: float = 1000.0) -> Tensor
 def check_mmd_inputs(x: Tensor, y: Tensor) -> None:
     if x.ndim != 2 or y.ndim != 2 or x.shape[1] != y.shape[1]:
         raise ValueError(f"Expected (N, d) and (M, d) features, got {tuple(x.shape)} and {tuple(y.shape)}.")
-    if len(x) < 1 or len(y) < 1:
-        raise ValueError(f"MMD needs at least one sample per set, got {len(x)} and {len(y)}.")
+    if len(x) < 2 or len(y) < 2:
+        raise ValueError(
+            f"MMD needs at least 2 samples per set (with one, the within-set means are k(x, x) = 1 and the value "
+            f"measures nothing), got {len(x)} and {len(y)}."
+        )
+    check_finite("MMD features", x, y)
 
 
 def mmd(x: Tensor, y: Tensor, sigma: float = 10.0, scale: float = 1000.0, chunk_size: int = 4096) -> Tensor:
@@ -258,6 +275,7 @@ def inception_score(logits: Tensor, splits: int = 10, seed: int | None = 2020) -
     n = len(logits)
     if n < splits:
         raise ValueError(f"Inception Score with {splits} splits needs at least {splits} samples, got {n}.")
+    check_finite("Inception Score logits", logits)
     if seed is not None:
         logits = logits[torch.from_numpy(np.random.RandomState(seed).permutation(n)).to(logits.device)]
     p, log_p = logits.double().softmax(1), logits.double().log_softmax(1)

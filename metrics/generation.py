@@ -32,6 +32,7 @@ from lightning_muon.metrics.features import (
     to_unit_float,
 )
 from lightning_muon.metrics.functional import (
+    check_finite,
     check_mmd_inputs,
     check_prdc_inputs,
     frechet_distance,
@@ -408,6 +409,7 @@ class KernelInceptionDistance(_FeatureSetMetric):
     def compute(self) -> dict[str, Tensor]:
         real, fake = self._features()
         draws = kid_subsets(len(fake), len(real), self.subsets, self.subset_size, self.seed)
+        check_finite("KID features", real, fake)
         rank, world = self._shard()
         values = torch.zeros(self.subsets, dtype=torch.float64, device=real.device)
         for i in range(rank, self.subsets, world):

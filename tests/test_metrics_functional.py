@@ -102,11 +102,42 @@ def test_mmd_matches_direct_formula(sigma):
     assert ours > 0
 
 
-def test_mmd_identical_is_zero_and_empty_is_an_error():
+def test_mmd_identical_is_zero_and_fewer_than_two_samples_is_an_error():
     x = torch.from_numpy(random_gaussian(50, 4, 9))
     assert abs(mmd(x, x.clone()).item()) < 1e-9
-    with pytest.raises(ValueError, match="at least one sample"):
-        mmd(x, x[:0])
+    for few in (x[:0], x[:1]):  # one sample: k(x, x) = 1 is the whole within-set mean
+        with pytest.raises(ValueError, match="at least 2 samples"):
+            mmd(x, few)
+    assert mmd(x, x[:2]).isfinite()  # control
+
+
+@pytest.mark.parametrize(
+    ("formula", "args"),
+    [
+        ("frechet", lambda x: (x.mean(0), x.T.cov(), x.mean(0), x.T.cov())),
+        ("mmd", lambda x: (x, x)),
+        ("prdc", lambda x: (x, x, 3)),
+        ("inception_score", lambda x: (x, 2)),
+    ],
+)
+def test_nonfinite_features_are_a_clear_error(formula, args):
+    from lightning_muon.metrics.functional import frechet_distance, inception_score, prdc
+
+    fn = {"frechet": frechet_distance, "mmd": mmd, "prdc": prdc, "inception_score": inception_score}[formula]
+    x = torch.from_numpy(random_gaussian(20, 4, 1))
+    fn(*args(x))  # control: finite features compute
+    x[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf.*feature extractor"):
+        fn(*args(x))
+
+
+def test_zero_size_images_are_a_clear_error():
+    from lightning_muon.metrics.features import check_images
+
+    check_images(torch.zeros(2, 1, 1, 1, dtype=torch.uint8))  # control: 1x1 is an image
+    check_images(torch.zeros(0, 3, 8, 8, dtype=torch.uint8))  # an empty batch (an empty rank) is fine
+    with pytest.raises(ValueError, match="at least 1x1 pixels"):
+        check_images(torch.zeros(2, 1, 0, 0, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
