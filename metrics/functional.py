@@ -1,5 +1,6 @@
 """Pure formulas of the generation-quality metrics: Fréchet distance, PRDC (Naeem et al. 2020), RBF MMD (CMMD),
-KID and the Inception Score; the O(N²) ones split into shard-sized pieces whose sums make the whole."""
+KID, the Inception Score and GenEval 2's Soft-TIFA; the O(N²) ones split into shard-sized pieces whose sums make
+the whole."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GENEVAL2_SKILLS",
     "check_finite",
     "frechet_distance",
     "gaussian_from_sums",
@@ -21,6 +23,9 @@ __all__ = [
     "prdc",
     "prdc_counts",
     "prdc_from_counts",
+    "soft_tifa_from_sums",
+    "soft_tifa_gm",
+    "soft_tifa_sums",
 ]
 
 
@@ -285,3 +290,61 @@ def inception_score(logits: Tensor, splits: int = 10, seed: int | None = 2020) -
         scores.append((part * (log_part - part.mean(0, keepdim=True).log())).sum(1).mean().exp())
     s = torch.stack(scores)
     return s.mean(), s.std(unbiased=False)
+
+
+# ------------------------------------------------------------------------------------------- GenEval 2 (Soft-TIFA)
+#: GenEval 2's skills, in the order of the per-skill report
+GENEVAL2_SKILLS = ("object", "attribute", "count", "position", "verb")
+#: atom probabilities are clamped to this before the log of the geometric mean (a softmax is 0 only by underflow)
+SOFT_TIFA_FLOOR = 1e-10
+
+
+def soft_tifa_gm(probabilities: Tensor, floor: float = SOFT_TIFA_FLOOR) -> Tensor:
+    r"""A prompt's Soft-TIFA GM: :math:`\exp\big(\frac1A\sum_a \log\max(p_a, \text{floor})\big)` over its atoms'
+    probabilities of the right answer (float64)."""
+    return probabilities.double().clamp_min(floor).log().mean().exp()
+
+
+def soft_tifa_sums(
+    probabilities: Tensor, skills: Tensor, atom_count: int, num_atom_counts: int, floor: float = SOFT_TIFA_FLOOR
+) -> dict[str, Tensor]:
+    """One image's additive Soft-TIFA statistics (float64): its GM and AM, the per-skill sums of atom probabilities
+    and atom counts (``skills`` indexes :data:`GENEVAL2_SKILLS`), and its GM under its atomicity. Sums over images
+    (and ranks) feed :func:`soft_tifa_from_sums`."""
+    p = probabilities.double()
+    gm, by_atoms = soft_tifa_gm(p, floor), torch.zeros(num_atom_counts, dtype=torch.float64, device=p.device)
+    by_atoms[atom_count] = gm
+    count = torch.zeros_like(by_atoms)
+    count[atom_count] = 1
+    skill_sum = torch.zeros(len(GENEVAL2_SKILLS), dtype=torch.float64, device=p.device).index_add_(0, skills, p)
+    skill_count = torch.zeros_like(skill_sum).index_add_(0, skills, torch.ones_like(p))
+    return {
+        "gm": gm,
+        "am": p.mean(),
+        "images": torch.ones((), dtype=torch.float64, device=p.device),
+        "skill_sum": skill_sum,
+        "skill_count": skill_count,
+        "atoms_gm": by_atoms,
+        "atoms_count": count,
+    }
+
+
+def soft_tifa_from_sums(sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    """GenEval 2's report from summed :func:`soft_tifa_sums`, in percent as the reference prints it:
+
+    - ``geneval2``: the mean over images of their Soft-TIFA GM (the benchmark's score);
+    - ``geneval2_am``: the mean over images of their Soft-TIFA AM;
+    - ``geneval2_skill_<skill>``: the mean probability of that skill's atoms, pooled over images (Soft-TIFA AM);
+    - ``geneval2_atoms_<n>``: the mean GM of the images whose prompt has atomicity n.
+    """
+    images = sums["images"]
+    if float(images) == 0:
+        raise ValueError("GenEval2 has no scored images; update() it with generated images first.")
+    out = {"geneval2": 100 * sums["gm"] / images, "geneval2_am": 100 * sums["am"] / images}
+    for skill, total, count in zip(GENEVAL2_SKILLS, sums["skill_sum"], sums["skill_count"]):
+        if count > 0:
+            out[f"geneval2_skill_{skill}"] = 100 * total / count
+    for n, (total, count) in enumerate(zip(sums["atoms_gm"], sums["atoms_count"])):
+        if count > 0:
+            out[f"geneval2_atoms_{n}"] = 100 * total / count
+    return out

@@ -236,3 +236,13 @@ def latent_epoch_worker(rank, world_size, root, batch_size, steps, state, num_wo
         if steps is not None and i + 1 == steps:
             break
     return {"seen": seen, "state": loader.state_dict()}
+
+
+def geneval2_worker(rank, world_size, benchmark, judge, images, samples):
+    """Rank 0 scores every image, the other ranks none (an empty rank); the reduced report on each rank."""
+    from lightning_muon.metrics.geneval2 import GenEval2
+
+    metric = GenEval2(benchmark, judge)
+    if rank == 0:
+        metric.update(images, samples)
+    return {k: float(v) for k, v in metric.compute().items()}
