@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning_muon.callbacks.protocols import Generator, RealImages, check_prot
 from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.generation import HPSv2Score, ensure_references
+from lightning_muon.metrics.geneval2 import GenEval2
 from lightning_muon.metrics.images import folder_images, image_set_fingerprint
 from lightning_muon.metrics.presets import build_metrics
 
@@ -123,6 +125,38 @@ def prepare_references(
     ensure_references(pending, paths, lambda: DataLoader(share, batch_size=batch_size), data, progress=False)
 
 
+def _generate_share(
+    module: Any,
+    count: int,
+    conditions_of: Callable[[Tensor], Any],
+    seed: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    batch_size: int,
+    progress: bool,
+    desc: str,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """This rank's samples i ≡ rank (mod W) of ``count``, as ``(images, global indices)`` batches: sample i is
+    conditioned on ``conditions_of(i)`` with seed ``seed + i``. Every rank runs the same number of equal-sized
+    batches (padded; the padding is dropped here), as FSDP needs every rank in every forward."""
+    from tqdm.auto import tqdm
+
+    rank, world = _world()
+    per_rank = -(-count // world)
+    indices = torch.arange(rank, per_rank * world, world)
+    for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not (progress and rank == 0), leave=False):
+        idx = indices[b : b + batch_size]
+        keep = idx < count
+        images = module.generate(  # padding samples repeat a real one's condition
+            conditions_of(idx % count),
+            (seed + idx).tolist(),
+            num_inference_steps,
+            guidance_scale,
+            batch_size=batch_size,
+        )
+        yield images[keep.to(images.device)], idx[keep]
+
+
 @torch.no_grad()
 def score_generation(
     module: Any,
@@ -141,35 +175,38 @@ def score_generation(
     """Generate the globally indexed sample set with ``module.generate`` and compute ``metrics`` on it.
 
     Sample i is conditioned on class ``i mod num_classes``, or with ``prompts`` on prompt ``i mod len(prompts)``
-    (text-to-image; :class:`HPSv2Score` then scores image–prompt pairs); its seed is ``seed + i``. Rank r
-    generates the samples i ≡ r (mod W) in equal-sized batches (padded, padding dropped before the metric
-    update) so every rank runs the same number of forward passes. Returns ``{"eval/...": value, "eval/seconds"}``
-    and up to ``grid_size`` samples of this rank (uint8) for a grid.
+    (text-to-image; :class:`HPSv2Score` then scores image–prompt pairs); its seed is ``seed + i``. A
+    :class:`GenEval2` metric gets a sample set of its own: each of its benchmark prompts, ``images_per_prompt`` times,
+    with seeds ``seed + j``. Rank r generates the samples i ≡ r (mod W) (see :func:`_generate_share`). Returns
+    ``{"eval/...": value, "eval/seconds"}`` and up to ``grid_size`` samples of this rank (uint8) for a grid.
     """
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
-    rank, world = _world()
-    per_rank = -(-num_samples // world)
-    indices = torch.arange(rank, per_rank * world, world)
-    labels, seeds = sample_conditions(indices, num_classes, seed)
     for metric in metrics.values():
         metric.reset()
+    sets = {name: m for name, m in metrics.items() if isinstance(m, GenEval2)}
+    shared = {name: m for name, m in metrics.items() if name not in sets}
+    settings = (seed, num_inference_steps, guidance_scale, batch_size, progress)
     grid: list[Tensor] = []
-    for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not (progress and rank == 0), leave=False):
-        idx = slice(b, b + batch_size)
-        keep = indices[idx] < num_samples
-        conditions = [prompts[i % len(prompts)] for i in indices[idx].tolist()] if prompts else labels[idx]
-        images = module.generate(
-            conditions, seeds[idx].tolist(), num_inference_steps, guidance_scale, batch_size=batch_size
-        )[keep.to(module.device)]
-        for metric in metrics.values():
+
+    def conditions_of(idx: Tensor) -> Any:
+        return (
+            [prompts[i % len(prompts)] for i in idx.tolist()] if prompts else sample_conditions(idx, num_classes, 0)[0]
+        )
+
+    for images, idx in _generate_share(module, num_samples if shared else 0, conditions_of, *settings, desc):
+        for metric in shared.values():
             if isinstance(metric, HPSv2Score):
-                metric.update(images, [c for c, k in zip(conditions, keep.tolist()) if k])
+                metric.update(images, conditions_of(idx))
             else:  # global sample indices: order-dependent metrics (KID, IS) see the single-process order
-                metric.update(images, real=False, index=indices[idx][keep])
+                metric.update(images, real=False, index=idx)
         if sum(len(g) for g in grid) < grid_size:
             grid.append(images.cpu())
+    for name, metric in sets.items():
+        prompts_of = lambda idx, m=metric: [m.prompt_of(i).prompt for i in idx.tolist()]  # noqa: E731
+        for images, idx in _generate_share(module, metric.num_samples, prompts_of, *settings, f"{desc} ({name})"):
+            metric.update(images, idx)
+            if sum(len(g) for g in grid) < grid_size:
+                grid.append(images.cpu())
     values: dict[str, float] = {}
     for name, metric in metrics.items():
         values.update(flatten_metrics(name, metric.compute()))
@@ -212,6 +249,12 @@ class GenerationEvaluation(Callback):
             InceptionV3 metrics.
         prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
             (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
+        geneval2_prompts: GenEval 2's benchmark file (the reference's ``geneval2_data.jsonl``), needed by
+            ``geneval2``, which generates its own samples: each benchmark prompt, ``geneval2_images_per_prompt``
+            times.
+        geneval2_judge: the Soft-TIFA judge's weights (a transformers vision-language model directory or cached hub
+            id; the reference's is Qwen3-VL-8B-Instruct).
+        geneval2_images_per_prompt: images per GenEval 2 prompt (the reference scores one).
         real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
             (latent-shard training has no images), resized and center-cropped to ``real_image_size``.
         progress: show a progress bar on rank 0.
@@ -239,6 +282,9 @@ class GenerationEvaluation(Callback):
         clip_quick_gelu: bool = True,
         fid_resize: str = "tf1",
         prompts_file: str | None = None,
+        geneval2_prompts: str | None = None,
+        geneval2_judge: str | None = None,
+        geneval2_images_per_prompt: int = 1,
         real_images_dir: str | None = None,
         real_image_size: int = 512,
         progress: bool = True,
@@ -260,6 +306,9 @@ class GenerationEvaluation(Callback):
             hps_model=hps_model,
             clip_quick_gelu=clip_quick_gelu,
             fid_resize=fid_resize,
+            geneval2_prompts=geneval2_prompts,
+            geneval2_judge=geneval2_judge,
+            geneval2_images_per_prompt=geneval2_images_per_prompt,
         )
         self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
         self.prompts: list[str] | None = None
@@ -287,7 +336,8 @@ class GenerationEvaluation(Callback):
         """A one-sample, one-step dry run of ``generate()`` (every rank: FSDP needs all of them) before the first
         training step: a module whose samples the metrics cannot read fails now, not after thousands of steps.
         (In ``setup`` the model does not exist yet: Lightning calls ``configure_model`` after the callbacks' setup.)"""
-        condition = [self.prompts[0]] if self.prompts else torch.zeros(1, dtype=torch.long)
+        prompts = self.prompts or [m.prompts[0].prompt for m in self.metrics.values() if isinstance(m, GenEval2)]
+        condition = [prompts[0]] if prompts else torch.zeros(1, dtype=torch.long)
         images = pl_module.generate(condition, [self.seed], 1, 1.0, batch_size=1)
         check_generated_images(images)
 

@@ -222,6 +222,9 @@ SHARED_ARGUMENTS = (
     "hps_model",
     "clip_quick_gelu",
     "fid_resize",
+    "geneval2_prompts",
+    "geneval2_judge",
+    "geneval2_images_per_prompt",
 )
 
 
@@ -325,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
         args.hps_model,
         clip_quick_gelu=args.clip_quick_gelu,
         fid_resize=args.fid_resize,
+        geneval2_prompts=args.geneval2_prompts,
+        geneval2_judge=args.geneval2_judge,
+        geneval2_images_per_prompt=args.geneval2_images_per_prompt,
     )
     for metric in metrics.values():
         metric.to(device)

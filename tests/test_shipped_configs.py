@@ -17,12 +17,14 @@ import torch
 import yaml
 from helpers import (
     free_port,
+    geneval2_benchmark,
     image_folder,
     random_inception_state_dict,
     tiny_dinov2,
     tiny_open_clip_config,
     tiny_text_encoder,
     tiny_vae,
+    tiny_vlm_judge,
 )
 
 from lightning_muon.recipes.cli import SHIPPED_CONFIGS, load_config
@@ -89,6 +91,8 @@ def assets(tmp_path_factory):
         "/models/ViT-L-14-336px.pt": clip,
         "/models/HPS_v2.1_compressed.pt": clip,
         "/data/eval/prompts.txt": root / "prompts.txt",
+        "/data/eval/geneval2_data.jsonl": geneval2_benchmark(root / "geneval2_data.jsonl"),
+        "/models/Qwen3-VL-8B-Instruct": tiny_vlm_judge(root / "judge"),
         "/data/eval/images": a["t2i_images"],
         "/data/imagenet/val": a["cls_images"],
         "/data/latents/t2i_512": root / "latents_t2i",
@@ -227,6 +231,9 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
         *("--clip-model", assets["clip_model"], "--hps-model", assets["clip_model"]),
     ]
     prompts = ["--prompts-file", paths["/data/eval/prompts.txt"]] if t2i else []
+    if "geneval2" in metrics:
+        prompts += ["--geneval2-prompts", paths["/data/eval/geneval2_data.jsonl"]]
+        prompts += ["--geneval2-judge", paths["/models/Qwen3-VL-8B-Instruct"]]
     cmd = [
         *torchrun(2),
         "-m",
