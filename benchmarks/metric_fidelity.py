@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+import test_geneval2 as g2ref  # noqa: E402
 import test_metrics_fidelity as ref  # noqa: E402
 
 from lightning_muon.metrics import ClipFeatures, DinoV2Features, HPSv2Score  # noqa: E402
@@ -147,6 +148,54 @@ def hps_row(files: dict, size: int) -> dict:
     }
 
 
+def geneval2_rows(judge: Path, benchmark: Path, size: int) -> list[dict]:
+    """Soft-TIFA atom probabilities against the judge asked the plain transformers way, one image and question at a
+    time; the score against the reference's aggregation (scipy ``gmean``)."""
+    from helpers import GENEVAL2_ROWS
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from lightning_muon.metrics.geneval2 import GenEval2
+
+    images = ref.smooth_images(4, size, 3)
+    samples = [0, 1, 2, 1]
+    metric = GenEval2(benchmark, judge)
+    metric.judge.batch_size = 5
+    processor = AutoProcessor.from_pretrained(str(judge), local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(str(judge), local_files_only=True).eval()
+    rows = [GENEVAL2_ROWS[i] for i in samples]
+    expected = [
+        [g2ref.reference_probability(model, processor, x, q, a) for q, a in row["vqa_list"]]
+        for x, row in zip(images, rows)
+    ]
+    flat = torch.tensor([p for s in expected for p in s])
+    ours = torch.cat(metric.atom_probabilities(images, samples))
+    metric.update(images, samples)
+    score, reference_score = float(metric.compute()["geneval2"]), g2ref.reference_report(expected, rows)["geneval2"]
+    metric.judge.processor.tokenizer.padding_side = "right"
+    right_padded = torch.cat(metric.atom_probabilities(images, samples))
+    arithmetic = 100 * float(np.mean([np.mean(s) for s in expected]))
+    common = {"reference": "plain transformers judge, one chat at a time", "size": size}
+    return [
+        {
+            "metric": "GenEval2 atom P(answer)",
+            **common,
+            "agreement": float((ours - flat).abs().max()),
+            "control": float((right_padded - flat).abs().max()),
+            "unit": "max |Δ| probability",
+            "control_step": "right padding",
+        },
+        {
+            "metric": "GenEval2 score (Soft-TIFA GM)",
+            **common,
+            "reference": "reference aggregation, scipy gmean",
+            "agreement": rel(score, reference_score),
+            "control": rel(arithmetic, reference_score),
+            "unit": "rel.",
+            "control_step": "arithmetic mean per prompt",
+        },
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=list(ref.SIZES))
@@ -157,7 +206,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         files = ref.make_clip_files(root)
+        from helpers import geneval2_benchmark, tiny_vlm_judge
+
+        judge, benchmark = tiny_vlm_judge(root / "judge"), geneval2_benchmark(root / "geneval2_data.jsonl")
         for size in args.sizes:
+            rows += geneval2_rows(judge, benchmark, size)
             rows += inception_rows(root, size)
             rows += [clean_resize_row(size), dinov2_row(root, size), *clip_rows(files, size), hps_row(files, size)]
     print(f"| {'metric':<32} | {'reference':<50} | {'px':>3} | {'agreement':>9} | {'step changed':>12} | unit")

@@ -1,12 +1,15 @@
 """Metric formula speed and memory on CPU: frechet_distance vs scipy sqrtm, prdc vs a prdc-package-style reference,
-and the PRDC / MMD metric classes with their O(N²) work split over 2 gloo ranks vs 1 process (time and peak memory
-per rank; the same total of threads: 1 rank × T threads vs 2 ranks × T/2).
+the PRDC / MMD metric classes with their O(N²) work split over 2 gloo ranks vs 1 process (time and peak memory
+per rank; the same total of threads: 1 rank × T threads vs 2 ranks × T/2), and GenEval 2's Soft-TIFA judge
+(images/s and questions/s, batched vs one chat per forward): the tiny random-init Qwen3-VL of the tests on CPU, or
+the real one with ``--judge DIR`` (``--device cuda`` on a GPU).
 
 The reference PRDC is the prdc package's algorithm (sklearn ``pairwise_distances`` on full matrices, NumPy
 ``argpartition`` for the k-th neighbour). Peak memory of ``prdc`` is measured in a fresh subprocess as the growth of
 the resident-set high-water mark, next to what one dense n×n float32 distance matrix would take.
 
     python benchmarks/metrics_speed.py --n 10000 --dim 1024 --memory-n 20000 --sharded-n 10000
+    python benchmarks/metrics_speed.py --sections judge --judge /models/Qwen3-VL-8B-Instruct --device cuda
 """
 
 from __future__ import annotations
@@ -162,6 +165,47 @@ def sharded_rows(n: int, dim: int) -> list[dict]:
     return rows
 
 
+def judge_rows(judge: str | None, device: str, images: int, size: int) -> list[dict]:
+    """GenEval 2 scoring throughput of ``images`` generated-size images over the tests' small benchmark."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import geneval2_benchmark, tiny_vlm_judge
+
+    from lightning_muon.metrics.geneval2 import GenEval2
+
+    tmp = Path(tempfile.mkdtemp())
+    judge = judge or str(tiny_vlm_judge(tmp / "judge"))
+    metric = GenEval2(geneval2_benchmark(tmp / "geneval2_data.jsonl"), judge).to(device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (images, 3, size, size), dtype=torch.uint8, generator=g).to(device)
+    samples = [i % metric.num_samples for i in range(images)]
+    questions = sum(len(metric.prompt_of(i).questions) for i in samples)
+    rows = []
+    for batch in (1, 16):
+        metric.judge.batch_size = batch
+        metric.reset()
+        metric.update(x[:1], samples[:1])  # warm-up
+        start = time.perf_counter()
+        metric.update(x, samples)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        rows.append(
+            {
+                "judge": "tiny Qwen3-VL (random init)" if judge.startswith(str(tmp)) else judge,
+                "device": device,
+                "batch": batch,
+                "images": images,
+                "questions": questions,
+                "seconds": seconds,
+                "images_per_s": images / seconds,
+                "questions_per_s": questions / seconds,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=10000, help="samples per set for the timings")
@@ -170,8 +214,37 @@ def main() -> None:
     parser.add_argument("--memory-n", type=int, default=20000, help="samples per set for the memory measurement")
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--sharded-n", type=int, default=10000, help="samples per set for the 1-vs-2-rank metrics")
+    parser.add_argument("--sections", nargs="+", default=["formulas", "sharded", "judge"])
+    parser.add_argument("--judge", default=None, help="GenEval 2 judge weights (default: the tests' tiny Qwen3-VL)")
+    parser.add_argument("--device", default="cpu", help="device of the judge")
+    parser.add_argument("--judge-images", type=int, default=32)
+    parser.add_argument("--judge-image-size", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/metrics_speed.json")
     args = parser.parse_args()
+    results: dict = {"config": vars(args)}
+    if "formulas" in args.sections:
+        results.update(formula_rows(args))
+    if "sharded" in args.sections:
+        results["sharded"] = print_sharded(args)
+    if "judge" in args.sections:
+        rows = judge_rows(args.judge, args.device, args.judge_images, args.judge_image_size)
+        print(f"\nGenEval 2 Soft-TIFA judge, {args.judge_images} images of {args.judge_image_size}px:")
+        print(f"| {'judge':<28} | {'device':<6} | {'batch':>5} | {'images/s':>8} | {'questions/s':>11} |")
+        print(f"|{'-' * 30}|{'-' * 8}|{'-' * 7}|{'-' * 10}|{'-' * 13}|")
+        for r in rows:
+            print(
+                f"| {r['judge'][:28]:<28} | {r['device']:<6} | {r['batch']:>5} | {r['images_per_s']:>8.2f} | "
+                f"{r['questions_per_s']:>11.2f} |"
+            )
+        results["judge"] = rows
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+def formula_rows(args: argparse.Namespace) -> dict:
+    """frechet_distance vs scipy, prdc vs the prdc-package algorithm, prdc's peak memory (printed)."""
 
     real, fake = features(args.n, args.dim, 0), features(args.n, args.dim, 1, shift=0.05)
     mu1, s1 = real.mean(0).astype(np.float64), np.cov(real, rowvar=False)
@@ -200,6 +273,21 @@ def main() -> None:
         f"prdc peak memory at n={args.memory_n}, d={args.dim}, chunk={args.chunk}: {mem:.0f} MiB "
         f"(one dense n x n float32 distance matrix: {dense_mb:.0f} MiB)"
     )
+    return {
+        "frechet_distance": {"ours_s": t_fd_ours, "scipy_s": t_fd_ref, "ours": fd_ours, "scipy": fd_ref},
+        "prdc": {
+            "ours_s": t_pr_ours,
+            "reference_s": t_pr_ref,
+            "ours": {k: float(v) for k, v in pr_ours.items()},
+            "reference": pr_ref,
+        },
+        "prdc_peak_memory_mib": mem,
+        "dense_matrix_mib": dense_mb,
+    }
+
+
+def print_sharded(args: argparse.Namespace) -> list[dict]:
+    """PRDC / MMD on 2 gloo ranks vs 1 process (printed); the rows."""
     sharded = sharded_rows(args.sharded_n, args.dim)
     base = {row["metric"]: row for row in sharded if (row["ranks"], row["threads_per_rank"]) == (1, 1)}
     print(f"\nPRDC / MMD metric classes, n={args.sharded_n} per set, d={args.dim}: 2 gloo ranks vs 1 process")
@@ -218,27 +306,7 @@ def main() -> None:
             f"| {row['metric']:<6} | {row['ranks']:>5} | {row['threads_per_rank']:>12} | {row['seconds']:>9.2f} | "
             f"{ref['seconds'] / row['seconds']:>7.2f}x | {row['peak_mib_per_rank']:>13.0f} | {str(same):<10} |"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "config": vars(args),
-                "frechet_distance": {"ours_s": t_fd_ours, "scipy_s": t_fd_ref, "ours": fd_ours, "scipy": fd_ref},
-                "prdc": {
-                    "ours_s": t_pr_ours,
-                    "reference_s": t_pr_ref,
-                    "ours": {k: float(v) for k, v in pr_ours.items()},
-                    "reference": pr_ref,
-                },
-                "prdc_peak_memory_mib": mem,
-                "dense_matrix_mib": dense_mb,
-                "sharded": sharded,
-            },
-            indent=2,
-        )
-    )
-    print(f"wrote {out}")
+    return sharded
 
 
 if __name__ == "__main__":

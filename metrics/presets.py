@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from torchmetrics import Metric
 
 from lightning_muon.metrics.features import ClipFeatures, DigitsFeatures, DinoV2Features, InceptionFeatures
-from lightning_muon.metrics.geneval2 import GenEval2
 from lightning_muon.metrics.generation import (
     FrechetDistance,
     HPSv2Score,
@@ -16,6 +15,7 @@ from lightning_muon.metrics.generation import (
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
 )
+from lightning_muon.metrics.geneval2 import GenEval2
 
 __all__ = ["METRIC_NAMES", "build_metrics"]
 
