@@ -7,7 +7,7 @@ import copy
 import inspect
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning as L
 import torch
@@ -23,9 +23,22 @@ __all__ = ["OPTIMIZERS", "DiTModule", "PlainValue", "PromptEncoder", "build_tran
 #: checkpoint's hyper-parameters can name a class for jsonargparse to import and instantiate.
 PlainValue = int | float | str | bool | None | list[int | float | str | bool | None] | list[list[float]]
 
-OPTIMIZERS = ("adamw", "muon", "periodic_muon")
-ARCHITECTURES = ("dit", "pixart")
-OBJECTIVES = ("flow", "ddpm")
+# The choices of DiTModule's string options, as types: the CLI rejects a wrong value at parse time, naming it.
+Optimizer = Literal["adamw", "muon", "periodic_muon"]
+Architecture = Literal["dit", "pixart"]
+Objective = Literal["flow", "ddpm"]
+TimestepSampling = Literal["logit_normal", "uniform"]
+LRSchedule = Literal["cosine", "constant"]
+NonFinite = Literal["skip", "raise", "ignore"]
+FrozenDtype = Literal["auto", "bfloat16", "float32"]
+AdjustLR = Literal["original", "match_rms_adamw", "spectral_unclamped"]
+NSDtype = Literal["bfloat16", "float32", "float64"]
+NSNormalize = Literal["frobenius", "aol"]
+NSMethod = Literal["standard", "gram"]
+RefreshSchedule = Literal["fixed", "adaptive"]
+OPTIMIZERS = get_args(Optimizer)
+ARCHITECTURES = get_args(Architecture)
+OBJECTIVES = get_args(Objective)
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 TINY_DIT = dict(
@@ -138,12 +151,12 @@ class DiTModule(L.LightningModule):
 
     def __init__(
         self,
-        architecture: str = "dit",
+        architecture: Architecture = "dit",
         model_config: dict[str, PlainValue] | None = None,
         num_classes: int = 10,
-        objective: str = "flow",
-        timestep_sampling: str = "logit_normal",
-        optimizer: str = "periodic_muon",
+        objective: Objective = "flow",
+        timestep_sampling: TimestepSampling = "logit_normal",
+        optimizer: Optimizer = "periodic_muon",
         lr: float = 0.02,
         adamw_lr: float = 1e-3,
         weight_decay: float = 0.0,
@@ -151,41 +164,41 @@ class DiTModule(L.LightningModule):
         momentum: float = 0.95,
         period: int = 3,
         rownorm_scale: float = 0.15,
-        adjust_lr: str = "original",
-        ns_dtype: str | None = None,
+        adjust_lr: AdjustLR = "original",
+        ns_dtype: NSDtype | None = None,
         ns_steps: int = 5,
         ns_coefficients: str = "jordan",
-        ns_normalize: str = "frobenius",
-        ns_method: str = "standard",
-        refresh_schedule: str = "fixed",
+        ns_normalize: NSNormalize = "frobenius",
+        ns_method: NSMethod = "standard",
+        refresh_schedule: RefreshSchedule = "fixed",
         drift_threshold: float = 0.05,
         min_period: int = 1,
         max_period: int | None = None,
         param_overrides: dict[str, dict[str, PlainValue]] | None = None,
         warmup_steps: int = 0,
-        schedule: str = "cosine",
+        schedule: LRSchedule = "cosine",
         ema_decay: float = 0.999,
         cfg_dropout: float = 0.1,
         vae_path: str | None = None,
         text_encoder_path: str | None = None,
         max_caption_length: int = 120,
         val_timesteps: int = 8,
-        frozen_dtype: str = "auto",
+        frozen_dtype: FrozenDtype = "auto",
         gradient_checkpointing: bool = False,
-        nonfinite: str = "skip",
+        nonfinite: NonFinite = "skip",
         predict_steps: int = 25,
     ) -> None:
         super().__init__()
-        for name, value, choices in (
-            ("optimizer", optimizer, OPTIMIZERS),
-            ("objective", objective, OBJECTIVES),
-            ("timestep_sampling", timestep_sampling, ("logit_normal", "uniform")),
-            ("schedule", schedule, ("cosine", "constant")),
-            ("architecture", architecture, ARCHITECTURES),
-            ("nonfinite", nonfinite, ("skip", "raise", "ignore")),
+        for name, value, kind in (  # the CLI checks these types at parse time; a Python caller gets this
+            ("optimizer", optimizer, Optimizer),
+            ("objective", objective, Objective),
+            ("timestep_sampling", timestep_sampling, TimestepSampling),
+            ("schedule", schedule, LRSchedule),
+            ("architecture", architecture, Architecture),
+            ("nonfinite", nonfinite, NonFinite),
         ):
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+            if value not in get_args(kind):
+                raise ValueError(f"{name} must be one of {get_args(kind)}, got {value!r}.")
         if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"cfg_dropout and ema_decay must be in [0, 1), got {cfg_dropout} and {ema_decay}.")
         if frozen_dtype not in FROZEN_DTYPES:
