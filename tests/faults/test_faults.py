@@ -408,8 +408,11 @@ def test_unknown_checkpoint_hyperparameters_are_named(caplog):
     from lightning_muon.recipes.evaluate import module_from_hparams
 
     with caplog.at_level("WARNING"):
-        module_from_hparams({"model_config": TINY_DIT, "bogus_option": 1, "_class_path": "x"})
-    assert "bogus_option" in caplog.text and "_class_path" not in caplog.text
+        hparams = {"model_config": TINY_DIT, "bogus_option": 1, "_instantiator": "x"}
+        module_from_hparams({**hparams, "_class_path": "lightning_muon.recipes.module.DiTModule"})
+    assert "bogus_option" in caplog.text and "_class_path" not in caplog.text and "_instantiator" not in caplog.text
+    with pytest.raises(ValueError, match="not DiTModule"):  # Lightning's key naming another class is refused
+        module_from_hparams({**hparams, "_class_path": "x"})
 
 
 def test_evaluate_reports_a_damaged_checkpoint_and_goes_on(tmp_path, monkeypatch, capsys):
