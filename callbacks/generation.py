@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
 from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.checkpoint import atomic_write
+from lightning_muon.metrics.features import cache_dir
 from lightning_muon.metrics.generation import HPSv2Score, ensure_references
 from lightning_muon.metrics.geneval2 import GenEval2
 from lightning_muon.metrics.images import folder_images, image_set_fingerprint
@@ -238,7 +239,8 @@ class GenerationEvaluation(Callback):
         num_classes: classes of the conditions.
         num_inference_steps / guidance_scale: sampler settings.
         batch_size: images generated per forward pass on each rank.
-        reference_dir: cache of reference statistics (default: ``<default_root_dir>/eval_reference``).
+        reference_dir: cache of reference statistics (default: ``eval_reference`` in the library's cache directory,
+            ``$LIGHTNING_MUON_CACHE`` or ``~/.cache/lightning_muon``: shared by runs, keyed by the real images).
         grid_size: images in the logged grid.
         seed: base noise seed.
         dinov2_weights / inception_weights / clip_weights / hps_weights: local weights for those metrics.
@@ -397,7 +399,7 @@ class GenerationEvaluation(Callback):
             real, name = getattr(trainer.datamodule, "real_images", None), type(trainer.datamodule).__name__
         if real is None:
             raise AttributeError("GenerationEvaluation needs real_images_dir= or a datamodule with real_images().")
-        cache = Path(self.reference_dir or Path(trainer.default_root_dir) / "eval_reference")
+        cache = Path(self.reference_dir or cache_dir() / "eval_reference")
         prepare_references(self.metrics, real, cache, name, self.batch_size)
 
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule, monitorable: bool = True) -> dict[str, float]:

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--num-samples", type=int, default=500)
-    parser.add_argument("--root", default="custom_module_logs")
+    parser.add_argument("--root", default=".", help="default_root_dir: logs and checkpoints in ROOT/lightning_logs")
     args = parser.parse_args(argv)
 
     L.seed_everything(0)

@@ -1,7 +1,7 @@
 """``lightning-muon evaluate``: generation metrics for every checkpoint of one or several runs, as CSV, Markdown
 and one PNG per metric (metric vs training step, a line per run) — the paper's AdamW / Muon / Periodic comparison.
 
-    lightning-muon evaluate lightning_logs/version_0 lightning_logs/version_1 --out eval --metrics fd_digits prdc_digits
+    lightning-muon evaluate lightning_logs/version_0 lightning_logs/version_1 --metrics fd_digits prdc_digits
 
 Reads single-file Lightning checkpoints and the torch.distributed.checkpoint directories that ``muon_fsdp`` /
 ``ModelParallelStrategy`` write, and only the sampling weights in them (EMA when present; never the optimizer
@@ -31,6 +31,7 @@ from lightning_muon.checkpoint import (
     is_distributed_checkpoint,
     load_distributed,
 )
+from lightning_muon.metrics.features import cache_dir
 from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
@@ -259,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-muon evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", help="run directories or globs (checkpoints are found recursively)")
-    parser.add_argument("--out", default="eval", help="output directory (results.csv, results.md, <metric>.png)")
+    parser.add_argument(
+        "--out",
+        default="lightning_logs/eval",
+        help="output directory (results.csv, results.md, <metric>.png); reference statistics are cached in "
+        "$LIGHTNING_MUON_CACHE/eval_reference (default ~/.cache/lightning_muon)",
+    )
     add_callback_arguments(parser, num_classes=(None, int, "default: the checkpoint's num_classes"))
     parser.add_argument("--real", default="digits", help="'digits' or an image folder with the real images")
     parser.add_argument("--image-size", type=int, default=256, help="resolution of an image-folder reference")
@@ -339,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         real = lambda: folder_images(args.real, args.image_size)  # noqa: E731
         data_name = Path(args.real).name
-    prepare_references(metrics, real, out / "reference", data_name, args.batch_size)
+    prepare_references(metrics, real, cache_dir() / "eval_reference", data_name, args.batch_size)
 
     csv_path = out / "results.csv"
     rows = _read_rows(csv_path)

@@ -32,8 +32,9 @@ def scalars(event_dir, tag):
     return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
-def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")  # reference statistics and the digits classifier: outside the run
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LIGHTNING_MUON_CACHE": str(cache)}
     cmd = [
         sys.executable,
         "-m",
@@ -72,8 +73,12 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path):
     predict = [*cmd[:3], "predict", *quick, "--data.init_args.predict_samples", "12", "--model.predict_steps", "2"]
     proc = subprocess.run(predict, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    pngs = sorted(p.name for p in (tmp_path / "samples").glob("*.png"))
+    samples = tmp_path / "lightning_logs" / "samples"
+    pngs = sorted(p.name for p in samples.glob("*.png"))
     assert pngs == [f"{i:06d}_class{i % 10}.png" for i in range(12)]
+    assert f"Predicted samples: {samples.resolve()}" in proc.stdout + proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["lightning_logs"]  # everything a run writes is under its logs
+    assert (cache / "eval_reference").is_dir()
 
 
 def test_cli_help_lists_options():
