@@ -8,11 +8,13 @@ recipes/configs/t2i_1p3b.yaml`` runs a paper-scale config. ``lightning-muon fit 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
 from lightning_muon.recipes.module import DiTModule, checked_hparams
@@ -43,6 +45,14 @@ def load_config(*paths: str | Path) -> dict:
     for path in paths:
         config = _merge(config, yaml.safe_load(Path(path).read_text()) or {})
     return config
+
+
+class ShortUsageParser(LightningArgumentParser):
+    """A mistake on the command line prints one usage line, the ``--help`` tip and the error naming the option, not
+    the whole option list (``--help`` still shows it)."""
+
+    def print_usage(self, file: Any = None) -> None:
+        (file or sys.stdout).write(f"usage: {self.prog} [options]\n")
 
 
 EVALUATE_HELP = "Generation metrics for every checkpoint of one or several runs (see: evaluate --help)."
@@ -76,6 +86,15 @@ class MuonCLI(LightningCLI):
         except ValueError as err:
             self.parser.error(f"--ckpt_path {ckpt_path}: {err}")
         self.config = self.parser.parse_object({subcommand: {"model": checked}}, self.config)
+
+    def instantiate_classes(self) -> None:
+        """Build the configured objects; a value they refuse (``ValueError``, e.g. ``--model.period 0`` or
+        ``--data.batch_size 0``) is a short parser error naming it, like a value of the wrong type, not a
+        traceback."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            self.parser.error(str(err))
 
     def instantiate_trainer(self, **kwargs):
         """The trainer, with a :class:`~lightning_muon.callbacks.StepProgressBar` unless the progress bar is
@@ -135,8 +154,6 @@ def fit_summary(trainer: L.Trainer) -> str:
 
 def main(args: list[str] | None = None) -> None:
     """``lightning-muon evaluate ...`` evaluates checkpoints; every other subcommand is LightningCLI's."""
-    import sys
-
     from jsonargparse import set_parsing_settings
 
     # Beside the typed signatures (nothing a checkpoint holds can name a class): a value typed Any is never
@@ -152,8 +169,14 @@ def main(args: list[str] | None = None) -> None:
         DiTModule,
         L.LightningDataModule,
         subclass_mode_data=True,
+        parser_class=ShortUsageParser,
         parser_kwargs={
-            **{sub: {"default_config_files": [str(DEFAULT_CONFIG)]} for sub in ("fit", "validate", "test", "predict")},
+            # no abbreviations: `--trainer.max_step 20` is an error, not max_steps
+            **{
+                sub: {"default_config_files": [str(DEFAULT_CONFIG)], "allow_abbrev": False}
+                for sub in ("fit", "validate", "test", "predict")
+            },
+            "allow_abbrev": False,
             "description": "Train Diffusion Transformers with Periodic Row-wise Muon.",
         },
         args=args,

@@ -118,6 +118,7 @@ class DigitsDataModule(L.LightningDataModule):
         super().__init__()
         if image_size < 8 or image_size % 8:
             raise ValueError(f"image_size must be 8 or a multiple of 8, got {image_size}.")
+        _check_counts(batch_size=batch_size, num_workers=num_workers)
         self.batch_size, self.val_size, self.num_workers = batch_size, val_size, num_workers
         self.predict_samples, self.image_size = predict_samples, image_size
 
@@ -168,6 +169,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self, root: str, image_size: int = 256, batch_size: int = 32, num_workers: int = 4, skip_corrupt: bool = False
     ) -> None:
         super().__init__()
+        _check_counts(batch_size=batch_size, num_workers=num_workers)
         self.root, self.image_size, self.batch_size = root, image_size, batch_size
         self.num_workers, self.skip_corrupt = num_workers, skip_corrupt
 
@@ -202,6 +204,7 @@ class LatentShardsDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        _check_counts(batch_size=batch_size, num_workers=num_workers)
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}.")
         if val_root and val_fraction:
@@ -240,3 +243,10 @@ class LatentShardsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         return [] if self.val_set is None else self._loader(self.val_set, self.val_ids, shuffle=False)
+
+
+def _check_counts(batch_size: int, num_workers: int) -> None:
+    """``batch_size`` >= 1 and ``num_workers`` >= 0, or a ValueError naming the option."""
+    for name, value, low in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")

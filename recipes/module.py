@@ -204,6 +204,11 @@ class DiTModule(L.LightningModule):
         if frozen_dtype not in FROZEN_DTYPES:
             raise ValueError(f"frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}.")
         self.save_hyperparameters()
+        # Every optimizer option is checked now, by the optimizer on stand-in parameters: a wrong value fails before
+        # a Trainer or a model is built, with the optimizer's message naming it.
+        options, adamw = self.optimizer_options()
+        stand_in = [{"params": [torch.zeros(1, 1)]}, {"params": [torch.zeros(1)], "use_muon": False, **adamw}]
+        PeriodicRowwiseMuon(stand_in, **options)
         self.model: nn.Module | None = None
         self.ema: nn.Module | None = None
         # Frozen models (VAE, text encoder) live in a plain dict, not as registered submodules: they are no FSDP
@@ -416,16 +421,11 @@ class DiTModule(L.LightningModule):
         return [EMA(self.hparams.ema_decay)] if self.hparams.ema_decay > 0 else []
 
     # ------------------------------------------------------------------------------------------- optimizers
-    def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant lr."""
+    def optimizer_options(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(PeriodicRowwiseMuon options, AdamW group options)`` from the hyperparameters."""
         h = self.hparams
         adamw = {"lr": h.adamw_lr, "betas": tuple(h.betas), "weight_decay": h.weight_decay}
-        if h.optimizer == "adamw":  # every parameter on AdamW: PeriodicRowwiseMuon's AdamW groups are torch's AdamW
-            groups = [{"params": list(self.model.named_parameters()), "use_muon": False, **adamw}]
-        else:
-            groups = muon_param_groups(self.model, adamw=adamw, overrides=h.param_overrides or {})
-        opt = PeriodicRowwiseMuon(
-            groups,
+        muon = dict(
             lr=h.lr,
             period=1 if h.optimizer == "muon" else h.period,
             rownorm_scale=h.rownorm_scale,
@@ -443,6 +443,17 @@ class DiTModule(L.LightningModule):
             max_period=h.max_period,
             nonfinite=h.nonfinite,
         )
+        return muon, adamw
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant lr."""
+        h = self.hparams
+        options, adamw = self.optimizer_options()
+        if h.optimizer == "adamw":  # every parameter on AdamW: PeriodicRowwiseMuon's AdamW groups are torch's AdamW
+            groups = [{"params": list(self.model.named_parameters()), "use_muon": False, **adamw}]
+        else:
+            groups = muon_param_groups(self.model, adamw=adamw, overrides=h.param_overrides or {})
+        opt = PeriodicRowwiseMuon(groups, **options)
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
 
         def factor(step: int) -> float:

@@ -58,6 +58,12 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_pat
     assert len(loss) >= 20
     assert sum(loss[-5:]) / 5 < 0.8 * sum(loss[:5]) / 5  # the training loss falls on digits
     assert (version / "config.yaml").is_file()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(version))
+    events.Reload()
+    lr_tags = [t for t in events.Tags()["scalars"] if t.startswith("lr-PeriodicRowwiseMuon")]
+    assert lr_tags and len(scalars(version, lr_tags[0])) >= 20  # the default config's learning-rate monitor
     summary = proc.stdout[proc.stdout.index("Trained 240 steps.") :]
     assert "eval/fd_digits: last" in summary and "checkpoint" in summary
     assert f"tensorboard --logdir {version.resolve()}" in summary or f"tensorboard --logdir {version}" in summary
@@ -419,3 +425,27 @@ def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
     assert attention["period"] == 2 and {g["period"] for g in groups} == {2, 3}
     assert all(g["schedule"] == "adaptive" and g["ns_method"] == "gram" and g["max_period"] == 6 for g in groups)
     assert all(g["ns_coefficients"] == "polar_express" for g in groups)
+
+
+@pytest.mark.parametrize(
+    ("mistake", "named"),
+    [
+        (["--model.period", "0"], "period"),
+        (["--model.lr", "-1"], "lr"),
+        (["--data.batch_size", "0"], "batch_size"),
+        (["--model.optimizer", "sgd"], "model.optimizer"),
+        (["--trainer.max_step", "20"], "--trainer.max_step"),  # no abbreviation of max_steps
+    ],
+)
+def test_a_command_line_mistake_is_a_short_error_naming_the_option(mistake, named, capsys, tmp_path, monkeypatch):
+    from lightning_muon.recipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as control:  # a valid value parses (--print_config exits 0)
+        main(["fit", "--model.period", "2", "--print_config"])
+    assert control.value.code in (0, None) and "period: 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *mistake])
+    err = capsys.readouterr().err
+    assert exit_info.value.code != 0 and named in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) <= 15, err
