@@ -45,7 +45,13 @@ class EMA(Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if trainer.global_step == self._step:  # accumulating: the weights did not change
+        self.update(trainer, pl_module)
+
+    def update(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Bring the average up to the current optimizer step; a no-op when it is there already (or training has not
+        started), so a callback that reads the average on this step (``GenerationEvaluation``, which may run before
+        this callback) can call it first and see what the step's checkpoint holds."""
+        if self._step < 0 or trainer.global_step == self._step:  # not started, or accumulating / already updated
             return
         self._step = trainer.global_step
         average, current = getattr(pl_module, self.target), getattr(pl_module, self.source)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
 from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.checkpoint import atomic_write
@@ -145,7 +147,8 @@ def _generate_share(
     rank, world = _world()
     per_rank = -(-count // world)
     indices = torch.arange(rank, per_rank * world, world)
-    for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not (progress and rank == 0), leave=False):
+    bar = progress and rank == 0 and sys.stderr.isatty()  # a redirected run prints LineProgress lines instead
+    for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not bar, leave=False):
         idx = indices[b : b + batch_size]
         keep = idx < count
         images = module.generate(  # padding samples repeat a real one's condition
@@ -406,6 +409,9 @@ class GenerationEvaluation(Callback):
         """Run one evaluation now (all ranks must call it); returns the logged values (also put in
         ``trainer.callback_metrics`` when ``monitorable``, for ``ModelCheckpoint(monitor="eval/...")``)."""
         self._last_step = trainer.global_step
+        for callback in trainer.callbacks:  # the average this step's checkpoint holds, whatever the callback order
+            if isinstance(callback, EMA):
+                callback.update(trainer, pl_module)
         self._references(trainer)
         desc = f"eval @ step {trainer.global_step}"
         values, grid = score_generation(

@@ -97,16 +97,17 @@ class MuonCLI(LightningCLI):
             self.parser.error(str(err))
 
     def instantiate_trainer(self, **kwargs):
-        """The trainer, with a :class:`~lightning_muon.callbacks.StepProgressBar` unless the progress bar is
-        disabled or another one is configured."""
+        """The trainer, with step progress unless the progress bar is disabled or another one is configured: a
+        :class:`~lightning_muon.callbacks.StepProgressBar` in a terminal,
+        :class:`~lightning_muon.callbacks.LineProgress` lines when stdout is redirected (a log file, a Slurm job)."""
         from lightning.pytorch.callbacks import ProgressBar
 
-        from lightning_muon.callbacks import StepProgressBar
+        from lightning_muon.callbacks import LineProgress, StepProgressBar
 
         config = self._get(self.config_init, "trainer", default={})
         callbacks = list(config.get("callbacks") or [])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            config["callbacks"] = [*callbacks, StepProgressBar()]
+            config["callbacks"] = [*callbacks, StepProgressBar() if sys.stdout.isatty() else LineProgress()]
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:
