@@ -51,7 +51,7 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     # stdout is a pipe, as in a Slurm log: progress comes as lines, evaluations too, and no escape codes
     assert "step 50/240 (20%) | " in proc.stdout and "step 240/240 (100%) | " in proc.stdout
-    assert "evaluation at step 120: eval/fd_digits=" in proc.stdout and "\x1b[" not in proc.stdout
+    assert "evaluation at step 240: eval/fd_digits=" in proc.stdout and "\x1b[" not in proc.stdout
     version = tmp_path / "lightning_logs" / "version_0"
     assert list(version.glob("events.out.tfevents.*"))
     assert list((version / "checkpoints").glob("*.ckpt"))
