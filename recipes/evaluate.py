@@ -324,20 +324,23 @@ def main(argv: list[str] | None = None) -> None:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    metrics = build_metrics(
-        args.metrics,
-        args.dinov2_weights,
-        args.inception_weights,
-        args.clip_weights,
-        args.hps_weights,
-        args.clip_model,
-        args.hps_model,
-        clip_quick_gelu=args.clip_quick_gelu,
-        fid_resize=args.fid_resize,
-        geneval2_prompts=args.geneval2_prompts,
-        geneval2_judge=args.geneval2_judge,
-        geneval2_images_per_prompt=args.geneval2_images_per_prompt,
-    )
+    try:  # a missing weights argument, or a file that is not there: a short error naming it
+        metrics = build_metrics(
+            args.metrics,
+            args.dinov2_weights,
+            args.inception_weights,
+            args.clip_weights,
+            args.hps_weights,
+            args.clip_model,
+            args.hps_model,
+            clip_quick_gelu=args.clip_quick_gelu,
+            fid_resize=args.fid_resize,
+            geneval2_prompts=args.geneval2_prompts,
+            geneval2_judge=args.geneval2_judge,
+            geneval2_images_per_prompt=args.geneval2_images_per_prompt,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
     for metric in metrics.values():
         metric.to(device)
     if args.real == "digits":

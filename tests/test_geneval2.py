@@ -151,3 +151,11 @@ def test_schema_errors_name_the_line_and_field(tmp_path, line, message):
     path.write_text(path.read_text() + line + "\n")
     with pytest.raises(ValueError, match=rf"b.jsonl:4: .*{message}|b.jsonl:4 {message}"):
         load_geneval2(path)
+
+
+def test_evaluate_without_the_benchmark_is_a_short_error(tmp_path, capsys, assets):
+    from lightning_muon.recipes.evaluate import main as evaluate
+
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate([str(tmp_path), "--metrics", "geneval2", "--geneval2-judge", str(assets["judge"])])
+    assert exit_info.value.code == 2 and "needs `geneval2_prompts=`" in capsys.readouterr().err
