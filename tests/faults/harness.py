@@ -302,7 +302,11 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
         "final_reached_max_steps": max(rows[-1]["steps"], default=0) == max_steps,
         "max_seconds_to_all_exited": max(r.get("seconds_to_all_exited", 0) for r in rows),
         "hung": sum(1 for r in rows for c in r["codes"] if c == "hung"),
-        "leftover_partial": sorted(str(p) for p in out.glob("chain_ckpt*/.*.partial")),
+        # the chain the final run saved into: every killed save's leftovers there were cleared by a later save of
+        # that name. A chain closed by a run killed during its last saves (its newest complete checkpoint already at
+        # max_steps) is abandoned: nothing saves there again, so its leftovers are counted apart.
+        "leftover_partial": sorted(str(p) for p in ckpt_dir.glob(".*.partial")),
+        "abandoned_chain_partials": len([p for p in out.glob("chain_ckpt*/.*.partial") if p.parent != ckpt_dir]),
         "rows": rows,
     }
 
