@@ -448,3 +448,4 @@ def test_a_command_line_mistake_is_a_short_error_naming_the_option(mistake, name
     err = capsys.readouterr().err
     assert exit_info.value.code != 0 and named in err and "Traceback" not in err
     assert len(err.strip().splitlines()) <= 15, err
+    assert list(tmp_path.iterdir()) == []  # refused before anything is built: no empty lightning_logs/version_N
