@@ -209,12 +209,12 @@ class GenEval2(Metric):
         self.judge = judge if isinstance(judge, SoftTifaJudge) else SoftTifaJudge(judge)
         self.images_per_prompt = images_per_prompt
         self.num_atom_counts = max(p.atom_count for p in self.prompts) + 1
-        for name, size in (("skill_sum", len(GENEVAL2_SKILLS)), ("skill_count", len(GENEVAL2_SKILLS))):
-            self.add_state(name, torch.zeros(size, dtype=torch.float64), dist_reduce_fx="sum")
-        for name in ("atoms_gm", "atoms_count"):
-            self.add_state(name, torch.zeros(self.num_atom_counts, dtype=torch.float64), dist_reduce_fx="sum")
-        for name in ("gm", "am", "images"):
-            self.add_state(name, torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        skills, atoms = len(GENEVAL2_SKILLS), self.num_atom_counts
+        shapes = dict(gm=(), am=(), images=(), skill_sum=(skills,), skill_count=(skills,))
+        shapes.update(atoms_gm=(atoms,), atoms_count=(atoms,))  # the sums of soft_tifa_sums
+        for name, shape in shapes.items():
+            self.add_state(name, torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.sum_names = tuple(shapes)
 
     @property
     def num_samples(self) -> int:
@@ -250,6 +250,5 @@ class GenEval2(Metric):
                 setattr(self, name, getattr(self, name) + value.to(self.device))
 
     def compute(self) -> dict[str, Tensor]:
-        sums = {name: getattr(self, name) for name in ("gm", "am", "images", "skill_sum", "skill_count")}
-        sums.update(atoms_gm=self.atoms_gm, atoms_count=self.atoms_count)
+        sums = {name: getattr(self, name) for name in self.sum_names}
         return {k: v.float() for k, v in soft_tifa_from_sums(sums).items()}

@@ -113,13 +113,15 @@ def module_from_hparams(hparams: dict[str, Any] | None) -> DiTModule:
     return module
 
 
-def load_generator(path: Path, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[DiTModule, dict]:
+def load_generator(
+    path: Path, device: torch.device, dtype: torch.dtype = torch.float32, meta: dict[str, Any] | None = None
+) -> tuple[DiTModule, dict]:
     """The sampling network of a checkpoint — its EMA weights when it has them, else the trained ones — and the
     checkpoint's metadata. Only those weights are read (from a distributed checkpoint with a partial
     ``torch.distributed.checkpoint.load``), never the optimizer state or the other copy, directly in ``dtype``."""
     if problem := checkpoint_problem(path):
         raise ValueError(f"Checkpoint {path} is incomplete or damaged: {problem}")
-    meta = checkpoint_meta(path)
+    meta = checkpoint_meta(path) if meta is None else meta  # the sweep read it already when it planned
     hparams = meta.get("hyper_parameters")
     module = module_from_hparams(hparams)  # checks them: ema_decay below is a float
     prefix = "ema." if hparams.get("ema_decay", 0) > 0 else "model."
@@ -289,7 +291,7 @@ def _score_checkpoint(
     dtype: torch.dtype,
 ) -> dict[str, float]:
     """Generate from one checkpoint's sampling weights and score the samples."""
-    module, _ = load_generator(ckpt, device, dtype)
+    module, _ = load_generator(ckpt, device, dtype, meta)
     num_classes = args.num_classes or meta.get("hyper_parameters", {}).get("num_classes", 10)
     values, _ = score_generation(
         module,
