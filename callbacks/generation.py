@@ -13,20 +13,21 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
-from lightning_muon.callbacks.publish import publish_scalars
+from lightning_muon.callbacks.publish import logger_step, publish_scalars
 from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.features import cache_dir
-from lightning_muon.metrics.generation import HPSv2Score, ensure_references
+from lightning_muon.metrics.generation import HPSv2Score
 from lightning_muon.metrics.geneval2 import GenEval2
 from lightning_muon.metrics.images import folder_images, image_set_fingerprint
 from lightning_muon.metrics.presets import build_metrics
+from lightning_muon.metrics.reference import ensure_references
+from lightning_muon.parallelize import rank_and_world
 
 __all__ = [
     "GenerationEvaluation",
@@ -44,6 +45,14 @@ log = logging.getLogger(__name__)
 def sample_conditions(indices: Tensor, num_classes: int, seed: int) -> tuple[Tensor, Tensor]:
     """Sample i has class ``i mod num_classes`` and noise seed ``seed + i``: the same on any number of ranks."""
     return indices % num_classes, seed + indices
+
+
+def read_prompts(path: str | os.PathLike) -> list[str]:
+    """The prompts of a text file, one per line (blank lines skipped); an error when there are none."""
+    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompts file {path} has no prompts (one per line).")
+    return prompts
 
 
 def check_generated_images(images: Tensor) -> None:
@@ -85,12 +94,6 @@ def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(old + json.dumps(row) + "\n"))
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class IndexedImages(torch.utils.data.Dataset):
     """Rank ``rank``'s share (samples i ≡ rank mod W) of a set of images, as ``(image, global index)`` pairs."""
 
@@ -120,7 +123,7 @@ def prepare_references(
         return
     from torch.utils.data import DataLoader, Subset
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     images = real_images()
     data = {"name": data_name, "count": len(images), "fingerprint": image_set_fingerprint(images)}
     share = IndexedImages(Subset(images, range(rank, len(images), world)), rank, world)
@@ -144,7 +147,7 @@ def _generate_share(
     batches (padded; the padding is dropped here), as FSDP needs every rank in every forward."""
     from tqdm.auto import tqdm
 
-    rank, world = _world()
+    rank, world = rank_and_world()
     per_rank = -(-count // world)
     indices = torch.arange(rank, per_rank * world, world)
     bar = progress and rank == 0 and sys.stderr.isatty()  # a redirected run prints LineProgress lines instead
@@ -221,7 +224,8 @@ def score_generation(
 class GenerationEvaluation(Callback):
     """Every ``every_n_steps`` training steps, whenever a checkpoint is saved (``on_checkpoint``) and at the end of
     training, generate ``num_samples`` images with
-    the module's EMA weights, update the metrics and log ``eval/<metric>`` to every logger at the global step, an
+    the module's EMA weights, update the metrics and log ``eval/<metric>`` to every logger (at the step of that batch's
+    ``train/loss``, :func:`~lightning_muon.callbacks.publish.logger_step`), an
     image grid to TensorBoard, ``eval/seconds``, and a line in ``metrics.jsonl`` beside the checkpoints.
 
     Sample i has class ``i mod num_classes`` and seed ``seed + i`` whatever the world size; rank r generates the
@@ -324,9 +328,7 @@ class GenerationEvaluation(Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.prompts_file:
-            self.prompts = [line.strip() for line in Path(self.prompts_file).read_text().splitlines() if line.strip()]
-            if not self.prompts:
-                raise ValueError(f"prompts_file {self.prompts_file} has no prompts (one per line).")
+            self.prompts = read_prompts(self.prompts_file)
         if "hpsv2" in self.metric_names and not self.prompts:
             raise ValueError("hpsv2 scores image-prompt pairs: pass prompts_file= (one prompt per line).")
         check_protocol(pl_module, Generator, "LightningModule")
@@ -437,7 +439,7 @@ class GenerationEvaluation(Callback):
     def _publish(self, trainer: L.Trainer, values: dict[str, float], grid: Tensor | None) -> None:
         for logger in trainer.loggers:
             if grid is not None and hasattr(logger.experiment, "add_image"):
-                logger.experiment.add_image("eval/samples", sample_grid(grid), trainer.global_step)
+                logger.experiment.add_image("eval/samples", sample_grid(grid), logger_step(trainer))
         ckpt = trainer.checkpoint_callback
         folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else Path(trainer.log_dir or ".")
         append_jsonl(folder / "metrics.jsonl", {"step": trainer.global_step, "epoch": trainer.current_epoch, **values})

@@ -8,7 +8,7 @@ import lightning as L
 def publish_scalars(
     trainer: L.Trainer, pl_module: L.LightningModule, values: dict[str, float], monitorable: bool = True
 ) -> None:
-    """Report ``values`` at the current global step.
+    """Report ``values`` at :func:`logger_step`, where Lightning logs this batch's own values.
 
     ``pl_module.log(..., logger=False, sync_dist=False)`` puts them in ``trainer.callback_metrics``, so
     ``ModelCheckpoint(monitor=...)`` and ``EarlyStopping`` can use them (the values are already reduced over ranks;
@@ -20,4 +20,12 @@ def publish_scalars(
         pl_module.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, logger=False)
     if trainer.is_global_zero:
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=logger_step(trainer))
+
+
+def logger_step(trainer: L.Trainer) -> int:
+    """The logger step of the batch in progress, the one Lightning writes ``train/loss``, ``val/loss`` and
+    ``LearningRateMonitor``'s rates at: the optimizer steps completed before that batch. The values of optimizer step
+    k (an evaluation after it, its telemetry) go to logger step k - 1 with that batch's loss, so the curves line up;
+    checkpoint names and ``metrics.jsonl`` keep the optimizer step k."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped

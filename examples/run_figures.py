@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [{"run": args.run.name, **{k: v for k, v in r.items() if k in ("step", args.metric)}} for r in rows]
     for path in plot(rows, args.out):
         print(path)
-    print(args.out / "samples.png", f"(step {grid.step})")
+    print(args.out / "samples.png", f"(step {grid.step + 1})")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_muon.parallelize import BLOCK_PARAM_PATTERN
+
 __all__ = [
-    "BLOCK_PATTERN",
     "EMBEDDER_PATTERN",
     "LAYER_TYPES",
     "check_param_coverage",
@@ -17,8 +18,6 @@ __all__ = [
     "muon_param_groups",
 ]
 
-#: Parameters inside a transformer block (diffusers ``transformer_blocks.i``, DiT/timm-style ``blocks.i``).
-BLOCK_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+\."
 #: Layer types of a diffusers DiT block, usable as override keys: ``overrides={"attention": {"period": 2}}``.
 LAYER_TYPES = {
     "attention": r"\.attn\d*\.",
@@ -35,7 +34,7 @@ def _default_use_muon(name: str, module: nn.Module, param: nn.Parameter) -> bool
         isinstance(module, nn.Linear)
         and name.endswith(".weight")
         and param.ndim == 2
-        and re.search(BLOCK_PATTERN, name) is not None
+        and re.search(BLOCK_PARAM_PATTERN, name) is not None
         and re.search(EMBEDDER_PATTERN, name) is None
     )
 

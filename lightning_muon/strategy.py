@@ -9,21 +9,23 @@ unpickle nothing but plain data, and ``ckpt_path`` may be a directory (its newes
 :mod:`lightning_muon.checkpoint`. CPU runs use gloo, CUDA runs NCCL;
 ``num_nodes`` and cluster environments (torchrun, SLURM, …) work as in Lightning.
 
+The sharding plan itself (what a block is, ``shard_transformer``, the mixed-precision policy) is in
+:mod:`lightning_muon.parallelize`; this module holds Lightning's hooks, and the workarounds for Lightning's resume of
+a dataloader (``process_dataloader``, ``on_train_start``, ``_resumed_epoch``, ``_restore_loader_position``).
+
 The process group belongs to Lightning and the launcher: the strategy never destroys it nor runs a collective in
 teardown (a rank that raised must not wait in a barrier for ranks that will never arrive). At interpreter exit a
-still-initialized group is destroyed by an ``atexit`` hook: a gloo group left to C++ static destruction can abort
-the process ("terminate called without an active exception") — its worker threads are still joinable when their
-``std::thread`` destructors run — after a successful run.
+still-initialized group is destroyed by an ``atexit`` hook registered in ``setup_environment``: a gloo group left to
+C++ static destruction can abort the process ("terminate called without an active exception") — its worker threads
+are still joinable when their ``std::thread`` destructors run — after a successful run.
 """
 
 from __future__ import annotations
 
 import atexit
-import re
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -51,94 +53,9 @@ from lightning_muon.checkpoint import (
 )
 from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.distributed import row_shard
+from lightning_muon.parallelize import MixedPrecision, default_mp_policy, shard_transformer
 
-__all__ = ["BLOCK_MODULE_PATTERN", "MixedPrecision", "MuonFSDPStrategy", "default_mp_policy", "shard_transformer"]
-
-DtypeName = Literal["bfloat16", "float16", "float32"]
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """A ``MixedPrecisionPolicy`` by dtype names, as a YAML config writes it
-    (``mp_policy: {param_dtype: bfloat16, reduce_dtype: float32}``): plain data, never a class to instantiate."""
-
-    param_dtype: DtypeName | None = None
-    reduce_dtype: DtypeName | None = None
-    output_dtype: DtypeName | None = None
-    cast_forward_inputs: bool = True
-
-    def policy(self) -> MixedPrecisionPolicy:
-        """The FSDP2 policy with these dtypes."""
-        dtype = {None: None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-        return MixedPrecisionPolicy(
-            param_dtype=dtype[self.param_dtype],
-            reduce_dtype=dtype[self.reduce_dtype],
-            output_dtype=dtype[self.output_dtype],
-            cast_forward_inputs=self.cast_forward_inputs,
-        )
-
-
-#: Transformer blocks, each sharded as its own FSDP2 unit (diffusers ``transformer_blocks.i``, timm ``blocks.i``).
-BLOCK_MODULE_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+$"
-#: Conditioning embedders inside a block get a unit of their own: diffusers' DiT calls
-#: ``transformer_blocks[0].norm1.emb`` again from the root after the blocks ran (for the final modulation), when the
-#: block's own parameters are resharded; as a separate unit it gathers its parameters on every call.
-EMBEDDER_MODULE_PATTERN = r"(^|\.)emb$"
-
-
-def shard_transformer(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
-) -> nn.Module:
-    """Apply ``fully_shard`` to every transformer block (its conditioning embedder first, as a unit of its own), then
-    to each direct child that still holds parameters.
-
-    The children (e.g. a LightningModule's ``self.model``) are the roots that ``training_step`` calls, so their
-    forward hooks gather the remaining parameters (embeddings, final layer). The module itself is not wrapped.
-
-    Args:
-        module: the network or LightningModule.
-        mesh: 1-D data-parallel mesh, or 2-D (replicate, shard) for HSDP.
-        mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 reduce).
-        reshard_after_forward: free gathered block parameters after forward (ZeRO-3) or keep them (ZeRO-2).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
-    blocks = [m for name, m in module.named_modules() if re.search(BLOCK_MODULE_PATTERN, name)]
-    if not blocks:
-        raise ValueError(
-            f"No transformer blocks (modules named like {BLOCK_MODULE_PATTERN!r}) in "
-            f"{type(module).__name__}; shard it yourself in configure_model()."
-        )
-    for block in blocks:
-        for name, sub in block.named_modules():
-            if re.search(EMBEDDER_MODULE_PATTERN, name):
-                fully_shard(sub, **kwargs)
-        fully_shard(block, **kwargs)
-    for child in module.children():
-        if _is_frozen(child):
-            continue  # a frozen encoder stays replicated: no FSDP unit, no hooks that decode()/encode() would skip
-        if any(not isinstance(p, DTensor) for p in child.parameters()):
-            fully_shard(child, **kwargs)
-    return module
-
-
-def _is_frozen(module: nn.Module) -> bool:
-    """No parameter trains and no transformer block inside (an EMA copy has blocks and is sharded like the model)."""
-    params = list(module.parameters())
-    has_blocks = any(re.search(BLOCK_MODULE_PATTERN, name) for name, _ in module.named_modules())
-    return bool(params) and not has_blocks and not any(p.requires_grad for p in params)
-
-
-def default_mp_policy(precision: str | None) -> MixedPrecisionPolicy:
-    """torchtitan's choice: bf16 parameters and activations, fp32 gradient reduction, when training in bf16;
-    otherwise FSDP2's default (no casting)."""
-    if precision is not None and str(precision).startswith("bf16"):
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+__all__ = ["MuonFSDPStrategy"]
 
 
 def _has_meta_tensors(module: nn.Module) -> bool:
@@ -205,6 +122,8 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        atexit.unregister(_destroy_process_group_at_exit)  # registered once per process
+        atexit.register(_destroy_process_group_at_exit)
         if self.hsdp:
             self._shard_mesh = init_device_mesh(
                 self.root_device.type, (self.num_nodes, self.num_processes), mesh_dim_names=("replicate", "shard")
@@ -415,8 +334,6 @@ def _destroy_process_group_at_exit() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
-
-atexit.register(_destroy_process_group_at_exit)
 
 if MuonFSDPStrategy.strategy_name not in StrategyRegistry:
     MuonFSDPStrategy.register_strategies(StrategyRegistry)

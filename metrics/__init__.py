@@ -14,10 +14,8 @@ from lightning_muon.metrics.generation import (
     KernelInceptionDistance,
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
-    ensure_reference,
-    ensure_references,
-    update_with_images,
 )
+from lightning_muon.metrics.reference import ensure_reference, ensure_references, update_with_images
 
 __all__ = [
     "ClipFeatures",

@@ -1,16 +1,16 @@
 """torchmetrics ``Metric``s of generation quality; the formulas live in :mod:`lightning_muon.metrics.functional`.
 
-Real-image (reference) statistics can be saved once and loaded later. A loaded reference is kept outside the
-synchronized states, so under DDP it is never summed or concatenated across ranks, and ``reset()`` keeps it.
-Every metric works when some ranks are given no images, and the O(N²) metrics (PRDC, MMD, KID) split their
-distance work across ranks after the one all-gather of features that torchmetrics' sync does.
+Real-image (reference) statistics can be saved once and loaded later (:mod:`~lightning_muon.metrics.reference`).
+A loaded reference is kept outside the synchronized states, so under DDP it is never summed or concatenated across
+ranks, and ``reset()`` keeps it. Every metric works when some ranks are given no images, and the O(N²) metrics (PRDC,
+MMD, KID) split their distance work across ranks after the one all-gather of features that torchmetrics' sync does.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from torchmetrics.utilities import dim_zero_cat
 
 from lightning_muon.metrics.features import (
     FeatureExtractor,
-    atomic_save,
     check_images,
     clip_image_size,
     clip_mean_std,
@@ -47,6 +46,7 @@ from lightning_muon.metrics.functional import (
     prdc_counts,
     prdc_from_counts,
 )
+from lightning_muon.metrics.reference import ReferenceCache, distributed
 
 __all__ = [
     "FrechetDistance",
@@ -55,86 +55,10 @@ __all__ = [
     "KernelInceptionDistance",
     "MaximumMeanDiscrepancy",
     "PrecisionRecallDensityCoverage",
-    "ensure_reference",
-    "ensure_references",
-    "update_with_images",
 ]
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank_zero() -> bool:
-    """True on rank 0 and outside DDP."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-class _ReferenceCache:
-    """Save / load the real-image statistics of a metric to a file tagged with the extractor that made them."""
-
-    kind: str
-    reference: dict[str, Tensor] | None
-
-    def _extractor(self) -> FeatureExtractor:
-        raise NotImplementedError
-
-    def _reference_from_states(self) -> dict[str, Tensor]:
-        raise NotImplementedError
-
-    def reference_tag(self, data: Any = None) -> dict[str, Any]:
-        """What the reference statistics depend on: the metric, the extractor (its settings and a digest of its
-        weights) and, when given, a fingerprint of the real images."""
-        return {"metric": self.kind, "extractor": self._extractor().fingerprint(), "data": data}
-
-    def synced_reference(self) -> dict[str, Tensor]:
-        """The real statistics accumulated so far over all ranks (every rank must call it)."""
-        with self.sync_context(should_unsync=True):
-            return {k: v.clone() for k, v in self._reference_from_states().items()}
-
-    def save_reference(self, path: str | os.PathLike, data: Any = None) -> None:
-        """Write the real statistics accumulated so far (all ranks take part in the sync; rank 0 writes)."""
-        write_reference(path, self.reference_tag(data), self.synced_reference())
-
-    def load_reference(self, path: str | os.PathLike) -> None:
-        """Use the reference statistics in ``path`` instead of real images; ``update(..., real=True)`` is then an error.
-
-        Raises:
-            FileNotFoundError: no such file.
-            ValueError: the file was made by another metric, extractor (or weights) or feature size.
-        """
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"Reference statistics file {str(path)!r} does not exist; create it with "
-                "save_reference() after updating the metric with real images."
-            )
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        tag = self.reference_tag(saved.get("data"))
-        if {k: saved.get(k) for k in tag} != tag:
-            raise ValueError(
-                f"Reference statistics in {str(path)!r} were made by {saved.get('metric')} with "
-                f"{saved.get('extractor')}, but this metric is {tag['metric']} with {tag['extractor']}. Delete the "
-                "file to recompute it with the current extractor."
-            )
-        self.set_reference(saved["reference"])
-
-    def set_reference(self, reference: Mapping[str, Tensor]) -> None:
-        self.reference = {k: v.to(self.device) for k, v in reference.items()}
-
-    def _check_real_update(self, real: bool) -> None:
-        if real and self.reference is not None:
-            raise RuntimeError("Reference statistics are loaded: update with generated images only (real=False).")
-
-
-def write_reference(path: str | os.PathLike, tag: dict[str, Any], reference: Mapping[str, Tensor]) -> None:
-    """Rank 0 writes ``tag`` and the reference tensors to ``path`` atomically."""
-    if _rank_zero():
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_save({**tag, "reference": {k: v.cpu() for k, v in reference.items()}}, path)
-
-
-class FrechetDistance(_ReferenceCache, Metric):
+class FrechetDistance(ReferenceCache, Metric):
     r"""Fréchet distance between Gaussians fitted to features of real and generated images.
 
     ``FrechetDistance(DinoV2Features(...))`` is FD-DINOv2; ``FrechetDistance(InceptionFeatures(...))`` is FID and
@@ -272,7 +196,7 @@ def _cat(parts: list[Tensor] | Tensor, shape: tuple[int, ...], device: torch.dev
     return dim_zero_cat(parts).reshape(shape) if parts else torch.zeros([0, *shape[1:]], device=device)
 
 
-class _FeatureSetMetric(_ReferenceCache, _FeatureLists):
+class _FeatureSetMetric(ReferenceCache, _FeatureLists):
     """Real and generated feature sets for the k-NN and kernel metrics. ``compute`` runs on every rank after the
     gather, and :meth:`_shard` tells each rank which part of the O(N²) work is its own."""
 
@@ -310,7 +234,7 @@ class _FeatureSetMetric(_ReferenceCache, _FeatureLists):
 
     def _shard(self) -> tuple[int, int]:
         """``(rank, world)`` when the features were gathered over ranks (each computes its share), else ``(0, 1)``."""
-        if self._is_synced and _distributed():
+        if self._is_synced and distributed():
             group = self.process_group
             return dist.get_rank(group), dist.get_world_size(group)
         return 0, 1
@@ -513,98 +437,3 @@ def letterbox(x: Tensor, size: int) -> Tensor:
     x = resize(x, [nh, nw], InterpolationMode.BICUBIC, antialias=True)
     ph, pw = size - nh, size - nw
     return pad(x, [pw // 2, ph // 2, pw - pw // 2, ph - ph // 2], fill=0)
-
-
-def update_with_images(
-    metric: Metric | Mapping[str, Metric],
-    batches: Iterable[Tensor],
-    real: bool,
-    progress: bool = True,
-    desc: str | None = None,
-) -> int:
-    """Feed every image batch to ``metric.update(images, real=real)`` (or to each of several metrics, which then
-    share one extractor pass per batch) under a tqdm bar; the number of images. A batch may be a pair
-    ``(images, index)`` with the samples' global indices (see :class:`KernelInceptionDistance`)."""
-    from tqdm.auto import tqdm
-
-    metrics = list(metric.values()) if isinstance(metric, Mapping) else [metric]
-    count = 0
-    total = len(batches) if hasattr(batches, "__len__") else None
-    bar = tqdm(
-        batches,
-        total=total,
-        desc=desc or ("real" if real else "generated"),
-        unit="batch",
-        disable=not progress,
-        leave=False,
-    )
-    for batch in bar:
-        images, index = batch if isinstance(batch, (tuple, list)) else (batch, None)
-        for m in metrics:
-            m.update(images, real=real, index=index)
-        count += len(images)
-    return count
-
-
-def _broadcast(obj: Any) -> Any:
-    """``obj`` of rank 0 on every rank (itself outside DDP)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _read_reference(path: Path, tag: dict[str, Any]) -> dict[str, Tensor] | None:
-    """The reference in ``path`` if it was made with exactly ``tag``, else None (missing, stale or unreadable)."""
-    if not path.is_file():
-        return None
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # a damaged cache is rebuilt like a stale one
-        return None
-    return saved["reference"] if {k: saved.get(k) for k in tag} == tag else None
-
-
-def ensure_references(
-    metrics: Mapping[str, _ReferenceCache],
-    paths: Mapping[str, str | os.PathLike],
-    real_batches: Callable[[], Iterable[Tensor]],
-    data: Any = None,
-    progress: bool = True,
-) -> None:
-    """Give every metric its reference statistics: from its cache file when that was made with the same metric,
-    extractor (settings and weights) and real images (``data``, a fingerprint), else from ``real_batches()``
-    (one pass, extractor runs shared between metrics) and then cached; a stale cache is rebuilt, never reused.
-
-    Under DDP every rank must call this with its own shard of the real images. Rank 0 alone reads the cache files
-    and broadcasts what it found, so ranks whose disks disagree (node-local caches, NFS lag) cannot take different
-    paths; recomputed statistics are synced over ranks and rank 0 writes them.
-    """
-    tags = {name: m.reference_tag(data) for name, m in metrics.items()}
-    rank0 = _rank_zero()
-    cached = {name: _read_reference(Path(paths[name]), tags[name]) if rank0 else None for name in metrics}
-    cached = _broadcast(cached)
-    missing = {name: m for name, m in metrics.items() if cached[name] is None}
-    if missing:
-        for m in missing.values():
-            m.reference = None
-            m.reset()
-        update_with_images(missing, real_batches(), real=True, progress=progress, desc="reference")
-        for name, m in missing.items():
-            cached[name] = m.synced_reference()
-            write_reference(paths[name], tags[name], cached[name])
-    for name, m in metrics.items():
-        m.set_reference(cached[name])
-        m.reset()  # drop the per-rank real states; the reference replaces them
-
-
-def ensure_reference(
-    metric: _ReferenceCache,
-    path: str | os.PathLike,
-    real_batches: Callable[[], Iterable[Tensor]],
-    progress: bool = True,
-    data: Any = None,
-) -> None:
-    """:func:`ensure_references` for one metric."""
-    ensure_references({"metric": metric}, {"metric": path}, real_batches, data, progress)

@@ -8,7 +8,9 @@ recipes/configs/t2i_1p3b.yaml`` runs a paper-scale config. ``lightning-muon fit 
 
 from __future__ import annotations
 
+import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,19 +58,20 @@ class ShortUsageParser(LightningArgumentParser):
 
 
 EVALUATE_HELP = "Generation metrics for every checkpoint of one or several runs (see: evaluate --help)."
+DOCTOR_HELP = "Pre-flight check of a GPU node: versions, bf16, optimizer, NS5, NCCL, one train step (doctor --help)."
 
 
 class MuonCLI(LightningCLI):
-    """LightningCLI with an ``evaluate`` subcommand (:mod:`lightning_muon.recipes.evaluate`) and a step progress
+    """LightningCLI with ``evaluate`` and ``doctor`` subcommands (:mod:`~lightning_muon.recipes.evaluate`,
+    :mod:`~lightning_muon.recipes.doctor`) and a step progress
     bar, where ``fit --ckpt_path DIR`` resumes from the newest complete checkpoint under ``DIR`` and ``fit`` ends
     with a summary: evaluation results, checkpoints, and how to open the logs."""
 
     def _add_subcommands(self, parser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
-        # listed in --help; main() hands `evaluate ...` to its own parser before LightningCLI sees it
-        parser._subcommands_action.add_subcommand(
-            "evaluate", self.init_parser(description=EVALUATE_HELP), help=EVALUATE_HELP
-        )
+        # listed in --help; main() hands `evaluate ...` and `doctor ...` to their own parsers before LightningCLI
+        for name, text in (("evaluate", EVALUATE_HELP), ("doctor", DOCTOR_HELP)):
+            parser._subcommands_action.add_subcommand(name, self.init_parser(description=text), help=text)
 
     def _parse_ckpt_path(self) -> None:
         """Lightning feeds a single-file checkpoint's hyper-parameters back through the parser; here they pass
@@ -153,19 +156,38 @@ def fit_summary(trainer: L.Trainer) -> str:
     return "\n".join(lines)
 
 
+def _not_litlogger_tip(record: logging.LogRecord) -> bool:
+    return "litlogger" not in record.getMessage()
+
+
+def quiet_lightning_notices() -> None:
+    """Drop two Lightning 2.6 notices that say nothing about the run: the ``LeafSpec`` deprecation its own pytree code
+    triggers in torch ≥ 2.10, and the advertisement for ``litlogger`` printed by every ``Trainer``."""
+    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_not_litlogger_tip)  # added once, however often main() runs
+
+
 def main(args: list[str] | None = None) -> None:
-    """``lightning-muon evaluate ...`` evaluates checkpoints; every other subcommand is LightningCLI's."""
+    """``lightning-muon evaluate ...`` evaluates checkpoints, ``lightning-muon doctor`` checks the machine; every other
+    subcommand is LightningCLI's."""
     from jsonargparse import set_parsing_settings
 
     # Beside the typed signatures (nothing a checkpoint holds can name a class): a value typed Any is never
     # instantiated from a class_path, and class_paths into os, subprocess, eval and the rest of jsonargparse's
     # denylist are refused, so a config meant as data cannot reach them through a parameter we did not type.
     set_parsing_settings(instantiate_subclass_spec_in_any=False, import_path_denylist=[])
+    quiet_lightning_notices()
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["evaluate"]:
         from lightning_muon.recipes.evaluate import main as evaluate
 
         return evaluate(argv[1:])
+    if argv[:1] == ["doctor"]:
+        from lightning_muon.recipes.doctor import main as doctor
+
+        sys.exit(doctor(argv[1:]))
     MuonCLI(
         DiTModule,
         L.LightningDataModule,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_muon.callbacks.generation import prepare_references, score_generation
+from lightning_muon.callbacks.generation import prepare_references, read_prompts, score_generation
 from lightning_muon.checkpoint import (
     META_FILE,
     atomic_write,
@@ -35,7 +35,7 @@ from lightning_muon.metrics.features import cache_dir
 from lightning_muon.metrics.images import folder_images
 from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.module import DiTModule, build_transformer, checked_hparams
+from lightning_muon.recipes.module import DiTModule, build_transformer, cast, checked_hparams
 
 __all__ = [
     "build_parser",
@@ -125,7 +125,7 @@ def load_generator(
     hparams = meta.get("hyper_parameters")
     module = module_from_hparams(hparams)  # checks them: ema_decay below is a float
     prefix = "ema." if hparams.get("ema_decay", 0) > 0 else "model."
-    net = module.model.to(dtype).to_empty(device=device)
+    net = cast(module.model, dtype).to_empty(device=device)
     module.on_materialized()  # buffers that are not in the state dict (sin-cos position tables)
     target = net.state_dict()
     try:
@@ -315,9 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
     from tqdm.auto import tqdm
 
-    prompts = None
-    if args.prompts_file:
-        prompts = [line.strip() for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+    try:
+        prompts = read_prompts(args.prompts_file) if args.prompts_file else None
+    except (OSError, ValueError) as err:
+        parser.error(f"--prompts-file: {err}")
     if "hpsv2" in args.metrics and not prompts:
         parser.error("--metrics hpsv2 scores image-prompt pairs: pass --prompts-file.")
     device = _init_distributed(args.device)

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_muon.checkpoint import atomic_write
+from lightning_muon.parallelize import rank_and_world
 
 __all__ = [
     "MANIFEST",
@@ -273,12 +273,6 @@ class LatentShards(Dataset):
         return out
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _step_sizes(remaining: int, global_batch: int) -> Iterator[int]:
     """Samples per global step: ``global_batch`` each, the last step also taking the remainder."""
     while remaining >= global_batch:
@@ -312,7 +306,7 @@ class GlobalBatchSampler(DistributedSampler):
             self.epoch, self.consumed = epoch, 0
 
     def __len__(self) -> int:
-        return len(self.ids) // (self.batch_size * _world()[1])
+        return len(self.ids) // (self.batch_size * rank_and_world()[1])
 
     def order(self) -> Tensor:
         """The epoch's sample order (global ids)."""
@@ -321,7 +315,7 @@ class GlobalBatchSampler(DistributedSampler):
         return self.ids[torch.randperm(len(self.ids), generator=torch.Generator().manual_seed(self.seed + self.epoch))]
 
     def __iter__(self) -> Iterator[list[int]]:
-        rank, world = _world()
+        rank, world = rank_and_world()
         global_batch = self.batch_size * world
         if len(self.ids) < global_batch:
             raise ValueError(

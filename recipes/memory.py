@@ -23,14 +23,13 @@ every GPU (frozen encoders, evaluation networks) and an activation estimate.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 import torch
 
 from lightning_muon import muon_param_groups
+from lightning_muon.parallelize import block_modules
 from lightning_muon.recipes.module import build_transformer
-from lightning_muon.strategy import BLOCK_MODULE_PATTERN
 
 #: Parameter counts of the published weights the configs point at (frozen models and metric networks).
 NOMINAL_PARAMS = {
@@ -62,9 +61,7 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
     groups = muon_param_groups(model)
     matrices = [p for g in groups if g["use_muon"] for p in g["params"]]
     muon, total = sum(p.numel() for p in matrices), sum(p.numel() for p in model.parameters())
-    block = max(
-        sum(p.numel() for p in m.parameters()) for n, m in model.named_modules() if re.search(BLOCK_MODULE_PATTERN, n)
-    )
+    block = max(sum(p.numel() for p in m.parameters()) for m in block_modules(model))
     ema = total if model_cfg.get("ema_decay", 0.999) > 0 else 0
     states = (4 * total + 4 * total + 4 * ema + 4 * muon + 8 * (total - muon)) / gpus
     fsdp = 2 * 2 * block + 4 * block

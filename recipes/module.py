@@ -66,6 +66,14 @@ def build_transformer(architecture: str, config: dict[str, PlainValue]) -> nn.Mo
     return model
 
 
+def cast(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """``model.to(*args, **kwargs)``, past diffusers' ``ModelMixin.to`` when the model keeps no module in float32:
+    that override warns "modules … should be kept in float32: []" on every dtype cast, even with the list empty."""
+    if getattr(model, "_keep_in_fp32_modules", None):
+        return model.to(*args, **kwargs)
+    return nn.Module.to(model, *args, **kwargs)
+
+
 def _load_local(cls: Any, path: str, argument: str) -> Any:
     """``cls.from_pretrained(path, local_files_only=True)``; a missing directory is an error naming the argument."""
     try:
@@ -254,7 +262,7 @@ class DiTModule(L.LightningModule):
         )
         p = next(model.parameters())
         if p.device != self.device or p.dtype != dtype:
-            model.to(device=self.device, dtype=dtype)
+            cast(model, device=self.device, dtype=dtype)
         return model
 
     @property

@@ -43,8 +43,9 @@ def event_scalars(log_dir):
     return acc
 
 
-def fit(root, max_steps, callbacks, optimizer="periodic_muon", log_every=1, strategy="auto"):
+def fit(root, max_steps, callbacks, optimizer="periodic_muon", log_every=1, strategy="auto", **trainer_kwargs):
     L.seed_everything(0)
+    trainer_kwargs = {"limit_val_batches": 0, **trainer_kwargs}
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -53,10 +54,10 @@ def fit(root, max_steps, callbacks, optimizer="periodic_muon", log_every=1, stra
         logger=TensorBoardLogger(root, name="logs"),
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
         log_every_n_steps=log_every,
         strategy=strategy,
         callbacks=callbacks,
+        **trainer_kwargs,
     )
     trainer.fit(DiTModule(model_config=SMALL_DIT, optimizer=optimizer), DigitsDataModule(batch_size=32))
     return trainer
@@ -69,15 +70,37 @@ def test_generation_evaluation_logs_at_the_expected_steps(cache, tmp_path):
     trainer = fit(tmp_path, 25, [evaluation, ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)])
     acc = event_scalars(trainer.logger.log_dir)
     fd = acc.Scalars("eval/fd_digits")
-    assert [e.step for e in fd] == [10, 20, 25]  # every 10 steps, and at the end of training
+    # every 10 steps and at the end of training, at Lightning's logger step (optimizer steps before the batch)
+    assert [e.step for e in fd] == [9, 19, 24]
     assert {"eval/precision_digits", "eval/recall_digits", "eval/seconds"} <= set(acc.Tags()["scalars"])
-    assert [e.step for e in acc.Images("eval/samples")] == [10, 20, 25]
+    assert [e.step for e in acc.Images("eval/samples")] == [9, 19, 24]
     rows = [
         json.loads(line)
         for line in (tmp_path / "logs" / "version_0" / "checkpoints" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [r["step"] for r in rows] == [10, 20, 25]
     assert [r["eval/fd_digits"] for r in rows] == pytest.approx([e.value for e in fd], rel=1e-6)
+
+
+def test_train_val_eval_lr_and_telemetry_scalars_share_step_numbers(cache, tmp_path):
+    """In TensorBoard the evaluation after optimizer step 10 sits at the step of that batch's train/loss, of the
+    validation run after it and of its learning rate (Lightning's logger step 9), so the curves line up. (Logged at
+    the optimizer step, the evaluation would sit at 10 and 20, beside no loss: the break this catches.)"""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    evaluation = GenerationEvaluation(
+        every_n_steps=10, num_samples=32, num_inference_steps=2, batch_size=32, grid_size=0, progress=False
+    )
+    callbacks = [evaluation, OptimizerTelemetry(), LearningRateMonitor(logging_interval="step")]
+    trainer = fit(tmp_path, 20, callbacks, log_every=5, val_check_interval=10, limit_val_batches=1)
+    acc = event_scalars(trainer.logger.log_dir)
+
+    def steps(tag):
+        return {e.step for e in acc.Scalars(tag)}
+
+    lr = next(t for t in acc.Tags()["scalars"] if t.startswith("lr-"))
+    assert steps("eval/fd_digits") == steps("val/loss") == {9, 19}
+    assert {9, 19} <= steps("train/loss") == steps(lr) == steps("optim/step_ms") == {4, 9, 14, 19}
 
 
 def test_best_fd_checkpoint_is_the_lowest_fd_in_metrics_jsonl(cache, tmp_path):
@@ -124,14 +147,14 @@ def test_telemetry_logs_a_refresh_exactly_every_k_steps(cache, tmp_path):
     trainer = fit(tmp_path, 12, [OptimizerTelemetry()])
     acc = event_scalars(trainer.logger.log_dir)
     refresh = [(e.step, e.value) for e in acc.Scalars("optim/refresh")]
-    assert refresh == [(t, float((t - 1) % 3 == 0)) for t in range(1, 13)]
+    assert refresh == [(t - 1, float((t - 1) % 3 == 0)) for t in range(1, 13)]  # step t at logger step t - 1
     tags = set(acc.Tags()["scalars"])
     assert {"optim/step_ms", "optim/update_rms/group0", "optim/grad_norm/group0"} <= tags
     assert all(e.value > 0 for e in acc.Scalars("optim/update_rms/group0"))
     matrix = [(e.step, e.value) for e in acc.Scalars("optim/refreshes/transformer_blocks.0.attn1.to_q.weight")]
-    assert matrix == [(t, float((t - 1) // 3 + 1)) for t in range(1, 13)]  # NS5 refreshes so far, per matrix
+    assert matrix == [(t - 1, float((t - 1) // 3 + 1)) for t in range(1, 13)]  # NS5 refreshes so far, per matrix
     group = dict((e.step, e.value) for e in acc.Scalars("optim/refreshes/group0"))
-    assert group[12] > matrix[-1][1] and group[12] % matrix[-1][1] == 0  # every matrix of the group alike
+    assert group[11] > matrix[-1][1] and group[11] % matrix[-1][1] == 0  # every matrix of the group alike
 
 
 @pytest.mark.distributed
@@ -224,7 +247,7 @@ def test_generation_evaluation_on_every_checkpoint(cache, tmp_path):
     )
     trainer = fit(tmp_path, 14, [evaluation, ModelCheckpoint(every_n_train_steps=7, save_top_k=-1, save_last=True)])
     assert [h["step"] for h in evaluation.history] == [7, 14]
-    assert [e.step for e in event_scalars(trainer.logger.log_dir).Scalars("eval/fd_digits")] == [7, 14]
+    assert [e.step for e in event_scalars(trainer.logger.log_dir).Scalars("eval/fd_digits")] == [6, 13]
 
 
 def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):

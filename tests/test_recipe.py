@@ -65,6 +65,8 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_pat
     events.Reload()
     lr_tags = [t for t in events.Tags()["scalars"] if t.startswith("lr-PeriodicRowwiseMuon")]
     assert lr_tags and len(scalars(version, lr_tags[0])) >= 20  # the default config's learning-rate monitor
+    noise = proc.stdout + proc.stderr
+    assert "LeafSpec" not in noise and "litlogger" not in noise and "logging interval" not in noise
     summary = proc.stdout[proc.stdout.index("Trained 240 steps.") :]
     assert "eval/fd_digits: last" in summary and "checkpoint" in summary
     assert f"tensorboard --logdir {version.resolve()}" in summary or f"tensorboard --logdir {version}" in summary
@@ -84,6 +86,11 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_pat
     pngs = sorted(p.name for p in samples.glob("*.png"))
     assert pngs == [f"{i:06d}_class{i % 10}.png" for i in range(12)]
     assert f"Predicted samples: {samples.resolve()}" in proc.stdout + proc.stderr
+    evaluate = [*cmd[:3], "evaluate", "lightning_logs/version_0", "--num-samples", "40", "--num-inference-steps", "2"]
+    proc = subprocess.run(evaluate, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "lightning_logs" / "eval" / "results.csv").is_file()
+    assert "kept in float32" not in proc.stdout + proc.stderr  # diffusers' warning about an empty list, silenced
     assert [p.name for p in tmp_path.iterdir()] == ["lightning_logs"]  # everything a run writes is under its logs
     assert (cache / "eval_reference").is_dir()
 
@@ -293,7 +300,8 @@ def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
     assert (version / "checkpoints" / "epoch=0-step=10.ckpt").is_dir()  # distributed checkpoint
     sent = dict(scalars(version, "optim/rownorm_bytes_sent"))
     refresh = dict(scalars(version, "optim/refresh"))
-    assert refresh[1] == 1.0 and refresh[2] == 0.0 and sent[2] > 0  # RowNorm steps all-reduce column statistics
+    # optimizer step t at logger step t - 1; RowNorm steps all-reduce column statistics
+    assert refresh[0] == 1.0 and refresh[1] == 0.0 and sent[1] > 0
 
 
 def test_pixart_with_a_text_encoder_trains_and_generates(tmp_path):
@@ -424,6 +432,29 @@ def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
     assert attention["period"] == 2 and {g["period"] for g in groups} == {2, 3}
     assert all(g["schedule"] == "adaptive" and g["ns_method"] == "gram" and g["max_period"] == 6 for g in groups)
     assert all(g["ns_coefficients"] == "polar_express" for g in groups)
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_lightning_notices_are_dropped_by_the_cli(quiet, tmp_path):
+    """The litlogger tip and the LeafSpec deprecation print without ``quiet_lightning_notices`` (the control) and not
+    with it."""
+    code = f"""
+import logging, warnings
+import lightning as L
+import torch
+from lightning.pytorch.utilities import _pytree
+from lightning_muon.recipes.cli import quiet_lightning_notices
+logging.basicConfig(level=logging.INFO)
+warnings.simplefilter("default")
+if {quiet}:
+    quiet_lightning_notices()
+L.Trainer(accelerator="cpu", enable_progress_bar=False, default_root_dir=".")
+_pytree._tree_flatten(torch.zeros(1))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert ("litlogger" in out, "LeafSpec" in out) == ((False, False) if quiet else (True, True)), out
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,16 @@ def test_adaptive_schedule_resumes_from_a_distributed_checkpoint(tmp_path):
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[6:]], rel=1e-5)
 
 
+def test_lightnings_ema_weight_averaging_breaks_under_muon_fsdp(runs, tmp_path):
+    """Why ``lightning_muon.callbacks.EMA`` stays: Lightning 2.6's ``EMAWeightAveraging`` deep-copies the module in
+    ``setup``, before the strategy shards it, so its average holds plain full tensors on every rank, and the first
+    update copies DTensor shards into them and fails. The control is the same 2-rank run without it (``runs``)."""
+    assert runs["first"]  # the control trained
+    proc = fit(tmp_path, "ema", devices=2, epochs=1, extra=["--ema-weight-averaging"], check=False)
+    assert proc.returncode != 0
+    assert "weight_averaging.py" in proc.stderr and "got mixed torch.Tensor and DTensor" in proc.stderr
+
+
 def test_partially_sharded_muon_matrices_fail_clearly(tmp_path):
     proc = fit(tmp_path, "bad", devices=2, epochs=1, extra=["--partial-shard"], check=False)
     assert proc.returncode != 0 and "is not a DTensor" in proc.stderr, proc.stderr[-3000:]

@@ -147,8 +147,9 @@ def untyped_parts(annotation) -> list:
 
 def cli_classes():
     from lightning_muon import callbacks
+    from lightning_muon.parallelize import MixedPrecision
     from lightning_muon.recipes import data
-    from lightning_muon.strategy import MixedPrecision, MuonFSDPStrategy
+    from lightning_muon.strategy import MuonFSDPStrategy
 
     found = [DiTModule, MuonFSDPStrategy, MixedPrecision]
     for module in (callbacks, data):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--optimizer", default="muon", choices=["muon", "adamw", "adaptive"])
     parser.add_argument("--partial-shard", action="store_true")
     parser.add_argument("--strategy", default="muon_fsdp", choices=["muon_fsdp", "model_parallel"])
+    parser.add_argument("--ema-weight-averaging", action="store_true", help="add Lightning's EMAWeightAveraging")
     args = parser.parse_args()
     torch.set_num_threads(1)
     trainer = L.Trainer(
@@ -115,7 +116,8 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)],
+        callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)]
+        + ([EMAWeightAveraging(decay=0.9)] if args.ema_weight_averaging else []),
     )
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // args.devices, shuffle=False)
     module = TinyFlowDiT(args.optimizer, args.partial_shard, shard=args.strategy == "model_parallel")

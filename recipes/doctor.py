@@ -1,0 +1,321 @@
+"""``lightning-muon doctor``: a pre-flight check of a GPU node before a long job (on a CPU, the parts that apply).
+
+Each check prints one table row (``ok``, ``skipped`` with the reason, or ``FAILED`` with what differs) and all rows go
+to a JSON file:
+
+- **versions**: Python, torch, CUDA, NCCL, Lightning, diffusers, the devices.
+- **bf16**: whether the device multiplies bf16 natively (the optimizer's default NS5 dtype there).
+- **optimizer**: ``PeriodicRowwiseMuon(period=1)`` against ``torch.optim.Muon`` on the device (6 steps, to 1e-4
+  relative), and on CUDA a Periodic (K=3) run on the device against the same run on the CPU (fp32 NS5 on both).
+- **ns5**: NS5 time of one matrix pair of a block (h × h, 4h × h) at each hidden width, ours against
+  ``torch.optim.Muon``'s: ours in bf16 (fp32 on a CPU without native bf16, where torch's always-bf16 NS5 is
+  emulated and slow).
+- **collectives**: NCCL all-reduce, all-gather and all-to-all bus bandwidth among the visible GPUs (skipped with
+  fewer than two).
+- **fused**: the ``torch.compile``-d RowNorm step (``fused=True``) against the eager one.
+- **train step**: one optimizer step of the DiT-XL/2 config with two of its 28 blocks (full width, its per-GPU
+  batch under bf16 autocast; batch 2 on a CPU), and on CUDA ``max_memory_allocated`` against
+  :mod:`lightning_muon.recipes.memory`'s estimate of the same model on one GPU (states + refresh + activations).
+
+    lightning-muon doctor                       # all checks, JSON to lightning_logs/doctor.json
+    lightning-muon doctor --skip fused          # leave a check out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CHECKS = ("versions", "bf16", "optimizer", "ns5", "collectives", "fused", "train step")
+
+
+@dataclass
+class Result:
+    """One check: ``status`` ok / skipped / FAILED, a one-line ``detail`` and its measured ``figures``."""
+
+    name: str
+    status: str
+    detail: str
+    figures: dict[str, float | str] = field(default_factory=dict)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Best of ``repeats`` timings after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def versions(device: torch.device) -> Result:
+    import diffusers
+    import lightning
+
+    figures: dict[str, float | str] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "diffusers": diffusers.__version__,
+        "cuda": torch.version.cuda or "none",
+    }
+    if device.type == "cuda":
+        figures["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        figures["gpus"] = torch.cuda.device_count()
+        figures["device"] = torch.cuda.get_device_name(device)
+    else:
+        figures["device"] = platform.processor() or platform.machine()
+    return Result("versions", "ok", ", ".join(f"{k} {v}" for k, v in figures.items()), figures)
+
+
+def bf16(device: torch.device) -> Result:
+    from lightning_muon.optim.kernels import default_ns_dtype
+
+    native = default_ns_dtype(device) == torch.bfloat16
+    if device.type == "cuda":
+        native = torch.cuda.is_bf16_supported()
+    detail = "native bf16 matmul: NS5 runs in bf16" if native else "no native bf16: NS5 runs in fp32"
+    return Result("bf16", "ok", detail, {"native_bf16": float(native)})
+
+
+def _matrices(device: torch.device, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(96, 32), (32, 96), (64, 64), (192, 32)]
+    return [torch.randn(s, generator=g).to(device).requires_grad_() for s in shapes]
+
+
+def _run(opt_fn: Callable, params: list[torch.Tensor], steps: int, seed: int = 1) -> list[torch.Tensor]:
+    opt = opt_fn(params)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).to(p.device)
+        opt.step()
+    return [p.detach().cpu() for p in params]
+
+
+def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))
+
+
+def optimizer(device: torch.device, **options: object) -> Result:
+    """``options`` go to our optimizer only (a test passes a wrong one to see this check fail)."""
+    from lightning_muon import PeriodicRowwiseMuon
+
+    shared = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)  # stated: the two defaults differ
+    vanilla = {"period": 1, "ns_eps": 1e-7, "ns_dtype": torch.bfloat16, **shared, **options}
+    ours = _run(lambda ps: PeriodicRowwiseMuon(ps, **vanilla), _matrices(device), 6)
+    ref = _run(lambda ps: torch.optim.Muon(ps, eps=1e-7, **shared), _matrices(device), 6)
+    figures = {"vs_torch_muon_rel": _max_rel(ours, ref)}
+    if device.type == "cuda":
+        periodic = dict(lr=0.02, period=3, rownorm_scale=0.15, ns_dtype=torch.float32)
+        on_device = _run(lambda ps: PeriodicRowwiseMuon(ps, **periodic), _matrices(device), 6)
+        on_cpu = _run(lambda ps: PeriodicRowwiseMuon(ps, **periodic), _matrices(torch.device("cpu")), 6)
+        figures["device_vs_cpu_rel"] = _max_rel(on_device, on_cpu)
+    # bf16 NS5 as one batched matmul (ours) or one matmul (torch) may round differently (2e-5 seen on a CPU); a 5%
+    # change of lr, momentum or weight decay moves the weights by ~1e-3, one NS iteration fewer by 4e-3
+    bounds = {"vs_torch_muon_rel": 1e-4, "device_vs_cpu_rel": 1e-4}
+    bad = [f"{k} {v:.2e} > {bounds[k]:.0e}" for k, v in figures.items() if not v <= bounds[k]]
+    detail = ", ".join(f"{k} {v:.2e}" for k, v in figures.items())
+    return Result("optimizer", "FAILED" if bad else "ok", "; ".join(bad) or detail, figures)
+
+
+def ns5(device: torch.device, hiddens: list[int]) -> Result:
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS, default_ns_dtype, newton_schulz
+
+    dtype = default_ns_dtype(device)
+    figures: dict[str, float | str] = {"dtype": str(dtype).removeprefix("torch.")}
+    coefficients = tuple(DEFAULT_NS_COEFFICIENTS)
+    for h in hiddens:
+        pair = [torch.randn(h, h, device=device), torch.randn(4 * h, h, device=device)]
+
+        def ours(pair: list[torch.Tensor] = pair) -> list[torch.Tensor]:
+            return [newton_schulz(x, dtype=dtype) for x in pair]
+
+        def theirs(pair: list[torch.Tensor] = pair) -> list[torch.Tensor]:
+            return [_zeropower_via_newtonschulz(x.to(dtype), coefficients, 5, 1e-7) for x in pair]
+
+        t_ours, t_torch = _seconds(ours, device), _seconds(theirs, device)
+        figures.update({f"ours_ms_{h}": 1e3 * t_ours, f"torch_ms_{h}": 1e3 * t_torch, f"ratio_{h}": t_ours / t_torch})
+    detail = ", ".join(f"h={h}: {figures[f'ours_ms_{h}']:.1f} ms ({figures[f'ratio_{h}']:.2f}× torch)" for h in hiddens)
+    return Result("ns5", "ok", f"ours in {figures['dtype']}, torch.optim.Muon in bfloat16 (always): {detail}", figures)
+
+
+def _collective_worker(rank: int, world: int, port: int, mib: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    n = mib * 2**20 // 4
+    x, gathered = torch.ones(n, device="cuda"), torch.empty(n * world, device="cuda")
+    ops = {
+        "all_reduce": (lambda: dist.all_reduce(x), 2 * (world - 1) / world),
+        "all_gather": (lambda: dist.all_gather_into_tensor(gathered, x), (world - 1) / world),
+        "all_to_all": (lambda: dist.all_to_all_single(torch.empty_like(x), x), (world - 1) / world),
+    }
+    rates = {}
+    for name, (op, factor) in ops.items():
+        seconds = _seconds(op, torch.device("cuda", rank), repeats=5)
+        rates[f"{name}_GBps"] = factor * 4 * n * (world if name == "all_gather" else 1) / seconds / 1e9
+    if rank == 0:
+        Path(out).write_text(json.dumps(rates))
+    dist.destroy_process_group()
+
+
+def collectives(device: torch.device, mib: int = 64) -> Result:
+    world = torch.cuda.device_count() if device.type == "cuda" else 0
+    if world < 2:
+        return Result("collectives", "skipped", "fewer than 2 GPUs" if world else "no CUDA (NCCL)")
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        out = str(Path(tmp) / "rates.json")
+        mp.spawn(_collective_worker, args=(world, port, mib, out), nprocs=world)
+        figures = json.loads(Path(out).read_text())
+    detail = f"{world} GPUs, {mib} MiB: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+    return Result("collectives", "ok", detail, figures)
+
+
+def fused(device: torch.device) -> Result:
+    from lightning_muon import PeriodicRowwiseMuon
+
+    options = dict(lr=0.02, period=3, rownorm_scale=0.15, ns_dtype=torch.float32)
+    start = time.perf_counter()
+    compiled = _run(lambda ps: PeriodicRowwiseMuon(ps, fused=True, **options), _matrices(device), 6)
+    seconds = time.perf_counter() - start
+    eager = _run(lambda ps: PeriodicRowwiseMuon(ps, **options), _matrices(device), 6)
+    rel = _max_rel(compiled, eager)
+    figures = {"fused_vs_eager_rel": rel, "compile_and_run_s": seconds}
+    status = "ok" if rel <= 1e-5 else "FAILED"
+    return Result("fused", status, f"compiled RowNorm vs eager {rel:.2e} (compile + 6 steps {seconds:.1f} s)", figures)
+
+
+def train_step(device: torch.device, config: str | None = None) -> Result:
+    """One step of the shrunken config; on CUDA the peak memory against the estimate for the same model."""
+    from lightning_muon.recipes.cli import CONFIGS, load_config
+    from lightning_muon.recipes.memory import GIB, memory_per_gpu
+    from lightning_muon.recipes.module import DiTModule
+
+    full = load_config(config or CONFIGS / "dit_xl2_imagenet256.yaml")
+    model = {k: v for k, v in full["model"].items() if k not in ("vae_path", "text_encoder_path")}
+    if model.get("architecture", "dit") != "dit":
+        return Result("train step", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
+    model["model_config"] = {**model["model_config"], "num_layers": 2}
+    batch = full["data"]["init_args"]["batch_size"] if device.type == "cuda" else 2
+    shrunk = {"trainer": {"devices": 1}, "model": model, "data": {"init_args": {"batch_size": batch}}}
+    estimate = memory_per_gpu(shrunk)
+    net = model["model_config"]
+    torch.manual_seed(0)
+    module = DiTModule(**model)
+    module.configure_model()
+    module.to(device)
+    opt = module.configure_optimizers()["optimizer"]
+    size, channels = net["sample_size"], net["in_channels"]
+    data = {
+        "latents": torch.randn(batch, channels, size, size, device=device),
+        "labels": torch.randint(0, model["num_classes"], (batch,), device=device),
+    }
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with (
+        warnings.catch_warnings(),  # self.log() outside a Trainer
+        torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"),
+    ):
+        warnings.filterwarnings("ignore", message=".*self.trainer` reference is not registered")
+        loss = module.training_step(data, 0)
+    loss.backward()
+    opt.step()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    figures = {"loss": loss.item(), "seconds": seconds, "batch": batch, "estimate_GiB": 0.0}
+    if not torch.isfinite(loss):
+        return Result("train step", "FAILED", f"non-finite loss {loss.item()}", figures)
+    layers = full["model"]["model_config"].get("num_layers", 28)
+    detail = f"2 of {layers} blocks, batch {batch}: loss {loss.item():.3f}, {seconds:.1f} s"
+    if device.type != "cuda":
+        return Result("train step", "ok", detail + " (memory check needs CUDA)", figures)
+    peak = torch.cuda.max_memory_allocated(device) / GIB
+    figures["estimate_GiB"] = estimate["states"] + estimate["refresh"] + estimate["activations"]
+    figures["peak_GiB"] = peak
+    detail += (
+        f"; peak {peak:.2f} GiB vs estimate {figures['estimate_GiB']:.2f} GiB ({peak / figures['estimate_GiB']:.2f}×)"
+    )
+    return Result("train step", "ok", detail, figures)
+
+
+def run_checks(device: torch.device, hiddens: list[int], skip: set[str], config: str | None = None) -> list[Result]:
+    """Every check not in ``skip``; an exception in one is its FAILED row, the others still run."""
+    checks: dict[str, Callable[[], Result]] = {
+        "versions": lambda: versions(device),
+        "bf16": lambda: bf16(device),
+        "optimizer": lambda: optimizer(device),
+        "ns5": lambda: ns5(device, hiddens),
+        "collectives": lambda: collectives(device),
+        "fused": lambda: fused(device),
+        "train step": lambda: train_step(device, config),
+    }
+    results = []
+    for name, check in checks.items():
+        if name in skip:
+            results.append(Result(name, "skipped", "--skip"))
+            continue
+        try:
+            results.append(check())
+        except Exception as err:  # a pre-flight check reports every failure and goes on to the next check
+            results.append(Result(name, "FAILED", f"{type(err).__name__}: {err}".splitlines()[0][:200]))
+    return results
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| check | status | detail |", "|---|---|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.detail} |" for r in results]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-muon doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--hidden", type=int, nargs="+", default=None, help="NS5 timing widths (default 2048 4096; 256 512 on a CPU)"
+    )
+    parser.add_argument("--skip", nargs="*", default=[], choices=CHECKS, metavar="CHECK", help=f"of {CHECKS}")
+    parser.add_argument("--config", default=None, help="config of the train step (default: dit_xl2_imagenet256.yaml)")
+    parser.add_argument("--out", default="lightning_logs/doctor.json", help="JSON with every figure")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    hiddens = args.hidden or ([2048, 4096] if device.type == "cuda" else [256, 512])
+    results = run_checks(device, hiddens, set(args.skip), args.config)
+    print(table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps([asdict(r) for r in results], indent=1))
+    print(f"Figures: {out}")
+    return 1 if any(r.status == "FAILED" for r in results) else 0

@@ -1,0 +1,52 @@
+"""``lightning-muon doctor``: its CPU parts run here; on a CUDA machine the whole check (marked ``gpu``)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_muon.recipes import doctor
+
+
+def run_doctor(tmp_path, *args):
+    out = tmp_path / "doctor.json"
+    cmd = [sys.executable, "-m", "lightning_muon.recipes.cli", "doctor", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
+    return proc, {r["name"]: r for r in json.loads(out.read_text())} if out.is_file() else {}
+
+
+def test_doctor_runs_its_cpu_checks_and_writes_every_figure(tmp_path):
+    proc, rows = run_doctor(tmp_path, "--device", "cpu", "--hidden", "128")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "| check | status | detail |" in proc.stdout
+    assert list(rows) == list(doctor.CHECKS)
+    assert {name: r["status"] for name, r in rows.items()} == {
+        **{name: "ok" for name in doctor.CHECKS},
+        "collectives": "skipped",  # NCCL needs two GPUs
+    }
+    assert rows["versions"]["figures"]["torch"] == torch.__version__
+    assert rows["optimizer"]["figures"]["vs_torch_muon_rel"] <= 1e-4
+    assert rows["fused"]["figures"]["fused_vs_eager_rel"] <= 1e-5
+    assert rows["ns5"]["figures"]["ratio_128"] > 0
+    assert torch.isfinite(torch.tensor(rows["train step"]["figures"]["loss"]))
+
+
+def test_doctor_reports_a_wrong_optimizer_and_goes_on(tmp_path):
+    """Control: with one NS iteration fewer than torch.optim.Muon the optimizer check fails (exit 1) and the
+    other checks still run."""
+    bad = doctor.optimizer(torch.device("cpu"), ns_steps=4)
+    assert bad.status == "FAILED" and "vs_torch_muon_rel" in bad.detail
+    assert doctor.optimizer(torch.device("cpu")).status == "ok"
+    results = doctor.run_checks(torch.device("cpu"), [64], skip={"fused", "train step", "ns5"})
+    assert [r.status for r in results] == ["ok", "ok", "ok", "skipped", "skipped", "skipped", "skipped"]
+
+
+@pytest.mark.gpu
+def test_doctor_on_cuda(tmp_path):
+    proc, rows = run_doctor(tmp_path, "--hidden", "1024")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert rows["optimizer"]["figures"]["device_vs_cpu_rel"] <= 1e-4
+    assert rows["train step"]["figures"]["peak_GiB"] > 0
