@@ -252,8 +252,9 @@ def row_norm(X: Tensor, eps: float = 1e-7) -> Tensor:
     r"""Normalize the ``min(m, n)`` vectors along the longer axis of each ``(..., m, n)`` matrix to unit L2 norm.
 
     Rows when ``m <= n``, columns when ``m > n`` (RowNorm of the oriented matrix, transposed back), so the result
-    has Frobenius norm :math:`\sqrt{\min(m, n)}` like the polar factor. A vector with norm below ``eps`` is divided
-    by ``eps`` instead: zero stays zero, nothing becomes NaN.
+    has Frobenius norm :math:`\sqrt{\min(m, n)}`, that of the exact polar factor (NS5's approximation of it is
+    about 0.87 of that). A vector with norm below ``eps`` is divided by ``eps`` instead: zero stays zero, nothing
+    becomes NaN.
     """
     if X.ndim < 2:
         raise ValueError(f"row_norm needs matrices (..., m, n), got shape {tuple(X.shape)}.")
