@@ -106,7 +106,7 @@ def test_cli_help_lists_options():
     listed = subprocess.run(
         [sys.executable, "-m", "lightning_muon.recipes.cli", "--help"], capture_output=True, text=True, timeout=300
     )
-    assert all(sub in listed.stdout for sub in ("fit", "validate", "test", "predict", "evaluate"))
+    assert all(sub in listed.stdout for sub in ("fit", "validate", "test", "predict", "evaluate", "doctor"))
     evaluate = subprocess.run(
         [sys.executable, "-m", "lightning_muon.recipes.cli", "evaluate", "--help"],
         capture_output=True,
@@ -114,6 +114,13 @@ def test_cli_help_lists_options():
         timeout=300,
     )
     assert evaluate.returncode == 0 and "--metrics" in evaluate.stdout
+    doctor = subprocess.run(
+        [sys.executable, "-m", "lightning_muon.recipes.cli", "doctor", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert doctor.returncode == 0 and "--skip" in doctor.stdout and "pre-flight" in doctor.stdout
 
 
 @pytest.mark.parametrize(
