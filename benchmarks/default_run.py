@@ -67,17 +67,21 @@ def child(out: Path, max_steps: int | None, spinning: bool) -> None:
     (out / "phases.json").write_text(json.dumps({"total": total, **clock}))
 
 
+def _sum(pairs: list) -> tuple[float, float]:
+    """Wall and CPU seconds of several timed calls, summed."""
+    return (sum(w for w, _ in pairs), sum(c for _, c in pairs))
+
+
 def phases(clock: dict[str, list]) -> dict[str, tuple[float, float]]:
-    """Wall and CPU seconds per phase; each evaluation's reference time is counted under ``references``."""
+    """Wall and CPU seconds per phase; each evaluation's reference time (every evaluation prepares its references
+    first) is counted under ``references``."""
     refs = clock.get("references", [])
-    evals = [
-        (w - rw, c - rc) for (w, c), (rw, rc) in zip(clock["evaluation"], refs + [(0, 0)] * len(clock["evaluation"]))
-    ]
+    evals = [(w - rw, c - rc) for (w, c), (rw, rc) in zip(clock["evaluation"], refs, strict=True)]
     out = {
-        "classifier": tuple(map(sum, zip(*clock.get("classifier", [(0, 0)])))),
-        "references": tuple(map(sum, zip(*refs or [(0, 0)]))),
+        "classifier": _sum(clock.get("classifier", [])),
+        "references": _sum(refs),
         "first evaluation": evals[0],
-        "later evaluations": tuple(map(sum, zip(*evals[1:] or [(0, 0)]))),
+        "later evaluations": _sum(evals[1:]),
     }
     out["rest"] = tuple(t - sum(v[i] for v in out.values()) for i, t in enumerate(clock["total"]))
     return out

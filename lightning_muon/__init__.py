@@ -1,8 +1,8 @@
 """lightning-muon: Periodic Row-wise Muon for PyTorch Lightning.
 
 Importing it before torch (``lightning-muon`` does) sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it:
-idle OpenMP threads then sleep instead of spinning. Beside other CPU jobs the spinning cost the default run 3.6× its
-CPU time (``benchmarks/default_run.py``); ``OMP_WAIT_POLICY=ACTIVE`` restores it. It reaches processes started from
+idle OpenMP threads then sleep instead of spinning. Beside other CPU jobs the spinning cost the default run 4.34×
+its CPU time (``benchmarks/default_run.py``); ``OMP_WAIT_POLICY=ACTIVE`` restores it. It reaches processes started from
 this one too (Lightning's launcher for ``devices=N``), and has no effect in a process that imported torch first.
 """
 

@@ -88,9 +88,7 @@ def versions(device: torch.device) -> Result:
 def bf16(device: torch.device) -> Result:
     from lightning_muon.optim.kernels import default_ns_dtype
 
-    native = default_ns_dtype(device) == torch.bfloat16
-    if device.type == "cuda":
-        native = torch.cuda.is_bf16_supported()
+    native = torch.cuda.is_bf16_supported() if device.type == "cuda" else default_ns_dtype(device) == torch.bfloat16
     detail = "native bf16 matmul: NS5 runs in bf16" if native else "no native bf16: NS5 runs in fp32"
     return Result("bf16", "ok", detail, {"native_bf16": float(native)})
 
@@ -227,8 +225,6 @@ def train_step(device: torch.device, config: str | None = None) -> Result:
         return Result("train step", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
     model["model_config"] = {**model["model_config"], "num_layers": 2}
     batch = full["data"]["init_args"]["batch_size"] if device.type == "cuda" else 2
-    shrunk = {"trainer": {"devices": 1}, "model": model, "data": {"init_args": {"batch_size": batch}}}
-    estimate = memory_per_gpu(shrunk)
     net = model["model_config"]
     torch.manual_seed(0)
     module = DiTModule(**model)
@@ -253,7 +249,7 @@ def train_step(device: torch.device, config: str | None = None) -> Result:
     opt.step()
     _sync(device)
     seconds = time.perf_counter() - start
-    figures = {"loss": loss.item(), "seconds": seconds, "batch": batch, "estimate_GiB": 0.0}
+    figures = {"loss": loss.item(), "seconds": seconds, "batch": batch}
     if not torch.isfinite(loss):
         return Result("train step", "FAILED", f"non-finite loss {loss.item()}", figures)
     layers = full["model"]["model_config"].get("num_layers", 28)
@@ -261,6 +257,8 @@ def train_step(device: torch.device, config: str | None = None) -> Result:
     if device.type != "cuda":
         return Result("train step", "ok", detail + " (memory check needs CUDA)", figures)
     peak = torch.cuda.max_memory_allocated(device) / GIB
+    shrunk = {"trainer": {"devices": 1}, "model": model, "data": {"init_args": {"batch_size": batch}}}
+    estimate = memory_per_gpu(shrunk)
     figures["estimate_GiB"] = estimate["states"] + estimate["refresh"] + estimate["activations"]
     figures["peak_GiB"] = peak
     detail += (

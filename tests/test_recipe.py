@@ -95,31 +95,20 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_pat
     assert (cache / "eval_reference").is_dir()
 
 
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_muon.recipes.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
 def test_cli_help_lists_options():
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_muon.recipes.cli", "fit", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli("fit", "--help")
     assert proc.returncode == 0 and "--model.optimizer" in proc.stdout and "--model.period" in proc.stdout
-    listed = subprocess.run(
-        [sys.executable, "-m", "lightning_muon.recipes.cli", "--help"], capture_output=True, text=True, timeout=300
-    )
+    listed = cli("--help")
     assert all(sub in listed.stdout for sub in ("fit", "validate", "test", "predict", "evaluate", "doctor"))
-    evaluate = subprocess.run(
-        [sys.executable, "-m", "lightning_muon.recipes.cli", "evaluate", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    evaluate = cli("evaluate", "--help")
     assert evaluate.returncode == 0 and "--metrics" in evaluate.stdout
-    doctor = subprocess.run(
-        [sys.executable, "-m", "lightning_muon.recipes.cli", "doctor", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    doctor = cli("doctor", "--help")
     assert doctor.returncode == 0 and "--skip" in doctor.stdout and "pre-flight" in doctor.stdout
 
 
