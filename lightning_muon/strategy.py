@@ -52,7 +52,7 @@ from lightning_muon.checkpoint import (
     save_distributed_checkpoint,
 )
 from lightning_muon.optim import PeriodicRowwiseMuon
-from lightning_muon.optim.distributed import row_shard
+from lightning_muon.optim.shards import row_shard
 from lightning_muon.parallelize import MixedPrecision, default_mp_policy, shard_transformer
 
 __all__ = ["MuonFSDPStrategy"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ __all__ = [
     "gram_ns_flops",
     "make_orthogonalizer",
     "newton_schulz",
+    "orthogonalize_batched",
     "ns_flops",
     "resolve_ns_coefficients",
     "row_norm",
@@ -52,6 +54,8 @@ NS_PRESETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]] = {
 #: Gram-space iteration: restart (fold Q into X, recompute the Gram) before these iterations, as the
 #: gram-newton-schulz reference recommends for 5 steps (the Gram squares X's condition number).
 GRAM_RESTARTS = (2,)
+#: Same-shape matrices are orthogonalized as one batch of at most this many bytes (in the NS dtype).
+MAX_NS_BATCH_BYTES = 512 * 2**20
 
 Coefficients = str | tuple[float, float, float] | Sequence[tuple[float, float, float]]
 Triples = tuple[tuple[float, float, float], ...]
@@ -153,6 +157,25 @@ class Orthogonalizer:
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
         return X
+
+
+def orthogonalize_batched(matrices: Sequence[Tensor], orthogonalizers: Sequence[Orthogonalizer]) -> list[Tensor]:
+    """Orthogonalize each matrix with its :class:`Orthogonalizer`; same-shape matrices with equal orthogonalizers are
+    stacked (cast in the same copy) into batched calls of at most :data:`MAX_NS_BATCH_BYTES`."""
+    results: list[Tensor | None] = [None] * len(matrices)
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    for i, (x, ortho) in enumerate(zip(matrices, orthogonalizers)):
+        batches[(tuple(x.shape), x.device, ortho)].append(i)
+    for (shape, device, ortho), index in batches.items():
+        per_batch = max(1, MAX_NS_BATCH_BYTES // max(1, math.prod(shape) * ortho.dtype.itemsize))
+        for start in range(0, len(index), per_batch):
+            chunk = index[start : start + per_batch]
+            X = torch.empty((len(chunk), *shape), dtype=ortho.dtype, device=device)
+            for j, i in enumerate(chunk):
+                X[j].copy_(matrices[i])
+            for i, o in zip(chunk, ortho(X).unbind(0)):
+                results[i] = o
+    return results
 
 
 def _gram(X: Tensor, tall: bool) -> Tensor:
@@ -273,19 +296,32 @@ def rownorm_sumsq(M: Tensor, G: Tensor, beta: float, nesterov: bool, dim: int) -
     nesterov: :math:`N = \beta M_t + (1-\beta) G = \beta^2 M_{t-1} + (1-\beta^2) G`; else :math:`N = M_t`.
     Non-finite entries of ``G`` make the result non-finite. Sums of squares (not norms) so shards can be added up.
     """
-    return lookahead(M, G, beta, nesterov).square_().sum(dim=dim, keepdim=True)  # eager: 7x faster than vector_norm
+    return (
+        lookahead(M, G, beta, nesterov, updated=False).square_().sum(dim=dim, keepdim=True)
+    )  # eager: 7x faster than vector_norm
 
 
-def lookahead(M: Tensor, G: Tensor, beta: float, nesterov: bool) -> Tensor:
-    """The update direction N of this step from the *old* momentum, out of place (see :func:`rownorm_sumsq`)."""
-    return torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
+def lookahead(M: Tensor, G: Tensor, beta: float, nesterov: bool, *, updated: bool, out: Tensor | None = None) -> Tensor:
+    r"""The update direction :math:`N_t` of a step — the one place the Nesterov look-ahead is formed.
+
+    ``updated=True``: ``M`` is the new momentum :math:`M_t`; :math:`N_t = \beta M_t + (1-\beta) G` (nesterov, op for
+    op as torch.optim.Muon, written into ``out`` when given, e.g. over the gradient) or :math:`M_t` itself.
+    ``updated=False``: ``M`` is the old momentum :math:`M_{t-1}`, read-only, one pass:
+    :math:`N_t = \beta^2 M_{t-1} + (1-\beta^2) G` (nesterov) or :math:`\beta M_{t-1} + (1-\beta) G` — the same
+    value (to rounding) before anything is written, for statistics read before the step's verdict.
+    """
+    if not updated:
+        return torch.lerp(G, M, beta * beta) if nesterov else torch.lerp(M, G, 1 - beta)
+    if not nesterov:
+        return M
+    return G.lerp_(M, beta) if out is G else torch.lerp(G, M, beta)
 
 
 def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim: int) -> tuple[Tensor, Tensor, Tensor]:
     r"""Sums along ``dim`` (kept) of :math:`N^2` (as :func:`rownorm_sumsq`), :math:`N \odot R` and :math:`R^2` from
     one look-ahead N, for the adaptive schedule's drift (R: the look-ahead of the last refresh). Read-only; sums, not
     cosines, so that shards can be added up."""
-    N = lookahead(M, G, beta, nesterov)
+    N = lookahead(M, G, beta, nesterov, updated=False)
     dot, rr = (N * R).sum(dim=dim, keepdim=True), R.square().sum(dim=dim, keepdim=True)
     return N.square_().sum(dim=dim, keepdim=True), dot, rr
 
@@ -335,7 +371,7 @@ def rownorm_update_(
         den = torch.where(ok, den, float("inf"))
         decay = masked_scalar(ok, decay, 1.0, W)
     M.lerp_(G, 1 - beta)
-    N = G.lerp_(M, beta) if nesterov else M
+    N = lookahead(M, G, beta, nesterov, updated=True, out=G)
     if isinstance(decay, Tensor) or decay != 1.0:
         W.mul_(decay)
     if isinstance(scale, Tensor):

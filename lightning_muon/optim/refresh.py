@@ -1,0 +1,88 @@
+r"""The refresh branch: one matrix's refresh, its write, and the single-device pass.
+
+For each matrix ``M ← β M + (1-β) G`` and ``W ← decay·W + scale·NS5(N)``. Every refresh of a step — all groups
+together — runs bucket by bucket, and each bucket is written as soon as it is orthogonalized, so the extra memory is
+a few buckets whatever the model size. Sharded matrices take the same steps through
+:mod:`~lightning_muon.optim.transport`, which hands each bucket's rows back for :func:`write_refresh`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_muon.optim.kernels import Orthogonalizer, lookahead, orthogonalize_batched, scale_
+from lightning_muon.optim.shards import RowShard, bucket_indices
+
+__all__ = ["RefreshItem", "buckets", "local_refresh", "write_refresh"]
+
+
+@dataclass
+class RefreshItem:
+    """One matrix to refresh: its row sharding, local views and the scalars of its write."""
+
+    shard: RowShard
+    weight: Tensor
+    momentum: Tensor
+    grad: Tensor
+    beta: float
+    nesterov: bool
+    decay: float | Tensor
+    scale: float | Tensor
+    ortho: Orthogonalizer  # matrices with equal orthogonalizers and shapes are batched
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ortho.dtype
+
+    @property
+    def flops(self) -> int:
+        return self.ortho.flops(self.shard.shape)
+
+    def lookahead(self) -> tuple[Tensor, Tensor]:
+        """``(M_t, N_t)`` out of place, op for op as torch.optim.Muon; nothing is written."""
+        m_new = torch.lerp(self.momentum, self.grad, 1 - self.beta)
+        return m_new, lookahead(m_new, self.grad, self.beta, self.nesterov, updated=True)
+
+
+def buckets(items: Sequence[RefreshItem], bucket_bytes: int) -> list[list[int]]:
+    return bucket_indices([it.shard for it in items], [it.dtype for it in items], bucket_bytes)
+
+
+def write_refresh(
+    items: Sequence[RefreshItem], m_news: Sequence[Tensor], orthos: Sequence[Tensor], ok: Tensor | None
+) -> None:
+    """Write momentum and weights of ``items`` from their local orthogonalized rows; with a device verdict ``ok``
+    (False: a non-finite gradient somewhere) every write is the identity, without a host synchronization."""
+    if ok is not None:
+        m_news = [torch.where(ok, m, it.momentum) for it, m in zip(items, m_news)]
+        orthos = [torch.where(ok, o, 0) for o in orthos]
+    torch._foreach_copy_([it.momentum for it in items], list(m_news))
+    by_scalars: dict[tuple, list[int]] = defaultdict(list)
+    for j, it in enumerate(items):
+        if isinstance(it.decay, Tensor) or isinstance(it.scale, Tensor):
+            by_scalars[("tensor", j)].append(j)
+        else:
+            by_scalars[(it.decay, it.scale)].append(j)
+    for index in by_scalars.values():
+        decay, scale = items[index[0]].decay, items[index[0]].scale
+        weights = [items[j].weight for j in index]
+        if isinstance(decay, Tensor) or decay != 1.0:
+            scale_(weights, decay, ok)
+        if isinstance(scale, Tensor):
+            torch._foreach_add_(weights, [orthos[j].float() * scale for j in index])
+        else:  # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is ~6x slower)
+            torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
+
+
+def local_refresh(items: Sequence[RefreshItem], bucket_bytes: int, ok: Tensor | None) -> int:
+    """Unsharded matrices: bucket by bucket, look-ahead, NS5, write. Returns the NS5 FLOPs."""
+    for index in buckets(items, bucket_bytes):
+        bucket = [items[i] for i in index]
+        m_news, ns = zip(*(it.lookahead() for it in bucket))
+        write_refresh(bucket, m_news, orthogonalize_batched(ns, [it.ortho for it in bucket]), ok)
+    return sum(it.flops for it in items)

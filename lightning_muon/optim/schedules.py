@@ -1,0 +1,154 @@
+r"""Refresh schedules: which matrices of a Muon group take the NS5 refresh this step.
+
+One interface (:class:`FixedSchedule`, :class:`AdaptiveSchedule`):
+
+- ``plan(group, states)``: per matrix, whether it refreshes this step (host values: never a device synchronization);
+- ``statistics(group, state, momentum, grad, dim)``: a RowNorm matrix's row sums of squares of the look-ahead N,
+  plus the sums the schedule needs reduced across ranks with them (they ride the statistics all-reduce);
+- ``drift(sums, sumsq, shape)``: the measure those sums give once reduced;
+- ``advance(group, refreshed, measured, ok)``: update the schedule's state after the step.
+
+``measures_drift`` says whether RowNorm matrices carry the drift sums (then they cross ranks when sharded).
+
+Layer-wise K and γ need no schedule of their own: groups carry their own ``period`` / ``rownorm_scale``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_muon.optim.kernels import compiled_rownorm_kernels, drift_sums, lookahead, rownorm_sumsq
+from lightning_muon.optim.shards import local
+
+__all__ = ["AdaptiveSchedule", "FixedSchedule", "refresh_counts"]
+
+#: adaptive-schedule state the host reads every step (kept on the host when a state dict is loaded)
+HOST_STATE = ("refresh_age", "refresh_drift", "refreshes")
+
+
+class FixedSchedule:
+    """All matrices of a group refresh together, on steps with ``(t - 1) mod K == 0`` (t: the group's counter)."""
+
+    measures_drift = False
+
+    def init_state(self, state: dict[str, Any], param: Tensor) -> None:
+        pass
+
+    def plan(self, group: dict[str, Any], states: list[dict[str, Any]]) -> list[bool]:
+        return [group["step"] % group["period"] == 0] * len(states)
+
+    def statistics(
+        self, group: dict[str, Any], state: dict[str, Any], momentum: Tensor, grad: Tensor, dim: int, fused: bool
+    ) -> tuple[Tensor, list[Tensor]]:
+        sumsq_fn = compiled_rownorm_kernels()[0] if fused else rownorm_sumsq
+        return sumsq_fn(momentum, grad, group["momentum"], group["nesterov"], dim), []
+
+    def drift(self, sums: list[Tensor], sumsq: Tensor, shape: tuple[int, int]) -> Tensor | None:
+        return None
+
+    def advance(self, group, refreshed, measured, ok) -> None:
+        pass
+
+
+class AdaptiveSchedule(FixedSchedule):
+    r"""Each matrix refreshes on its own: when never refreshed, after ``max_period`` steps, or after at least
+    ``min_period`` steps once the drift :math:`1 - \frac1p\sum_i \cos(n_i, r_i)` of the oriented rows of its
+    look-ahead N from those at its last refresh R passed ``drift_threshold`` on the previous step.
+
+    The drift is measured on RowNorm steps from sums that ride the statistics all-reduce (identical on every rank,
+    no extra collective). State per matrix: R (one shard-sized buffer) and host counters, all checkpointed. On CUDA
+    the drift reaches the host asynchronously (an event recorded after the copy, waited on at the next plan).
+    """
+
+    measures_drift = True
+
+    def __init__(self) -> None:
+        self._ready: dict[int, torch.cuda.Event] = {}
+
+    def init_state(self, state: dict[str, Any], param: Tensor) -> None:
+        state["refresh_momentum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["refresh_age"] = torch.tensor(-1, dtype=torch.int64)
+        state["refresh_drift"] = torch.tensor(0.0, dtype=torch.float32)
+        state["refreshes"] = torch.tensor(0, dtype=torch.int64)
+
+    def plan(self, group: dict[str, Any], states: list[dict[str, Any]]) -> list[bool]:
+        return [self._due(group, state) for state in states]
+
+    def _due(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        age = int(state["refresh_age"])
+        longest = group["period"] if group["max_period"] is None else group["max_period"]
+        if age < 0 or age >= longest:
+            return True
+        if age < group["min_period"]:
+            return False
+        ready = self._ready.pop(id(state), None)
+        if ready is not None:
+            ready.synchronize()
+        return float(state["refresh_drift"]) > group["drift_threshold"]
+
+    def statistics(self, group, state, momentum, grad, dim, fused):
+        """Σ N², and the drift's sums: per column N·R and R² for a tall matrix (partial over ranks), the sum of the
+        row cosines for a wide one (whole rows: they add up here)."""
+        ref = local(state["refresh_momentum"])
+        sumsq, dot, rr = drift_sums(momentum, grad, ref, group["momentum"], group["nesterov"], dim)
+        return sumsq, [dot, rr] if dim == -2 else [_cosines(dot, sumsq, rr).sum()]
+
+    def drift(self, sums: list[Tensor], sumsq: Tensor, shape: tuple[int, int]) -> Tensor:
+        total = _cosines(sums[0], sumsq, sums[1]).sum() if len(sums) == 2 else sums[0]
+        return 1 - total.float() / min(shape)
+
+    def advance(
+        self,
+        group: dict[str, Any],
+        refreshed: list[tuple[dict[str, Any], Tensor]],
+        measured: list[tuple[dict[str, Any], Tensor]],
+        ok: Tensor | None,
+    ) -> None:
+        """Refreshed matrices ``(state, grad)`` keep their look-ahead N as the new reference (age 1, drift 0); the
+        measured ones ``(state, drift)`` age by one and hand their drift to the host. A skipped step (``ok`` False)
+        keeps the old reference and drift."""
+        for state, grad in refreshed:
+            ref = local(state["refresh_momentum"])
+            n = lookahead(local(state["momentum_buffer"]), grad, group["momentum"], group["nesterov"], updated=True)
+            ref.copy_(n if ok is None else torch.where(ok, n, ref))
+            state["refresh_age"].fill_(1)
+            state["refresh_drift"].zero_()
+            state["refreshes"].add_(1)
+        for state, drift in measured:
+            state["refresh_age"].add_(1)
+            if ok is not None:
+                drift = torch.where(ok, drift, state["refresh_drift"].to(drift.device))
+            if drift.is_cuda:
+                host = torch.empty((), dtype=torch.float32, pin_memory=True)
+                host.copy_(drift, non_blocking=True)
+                self._ready[id(state)] = event = torch.cuda.Event()
+                event.record()
+                state["refresh_drift"] = host
+            else:
+                state["refresh_drift"].copy_(drift)
+
+
+def refresh_counts(param_groups: list[dict[str, Any]], states: dict[Tensor, dict[str, Any]]) -> dict[str, int]:
+    """Refreshes so far per Muon group (``"group<i>"``, the total over its matrices) and per matrix by name: an
+    adaptive matrix's own counter, else the refresh steps of its group."""
+    counts = {}
+    for g, group in enumerate(param_groups):
+        if not group["use_muon"]:
+            continue
+        names = group.get("param_names") or [f"group{g}.{i}" for i in range(len(group["params"]))]
+        fixed = 0 if group["step"] == 0 else (group["step"] - 1) // group["period"] + 1
+        per_matrix = {
+            name: int(states[p]["refreshes"]) if "refreshes" in states.get(p, {}) else fixed
+            for name, p in zip(names, group["params"])
+        }
+        counts[f"group{g}"] = sum(per_matrix.values())
+        counts.update(per_matrix)
+    return counts
+
+
+def _cosines(dot: Tensor, nn: Tensor, rr: Tensor) -> Tensor:
+    """Cosines of oriented rows from their sums N·R, N², R² (0 where either row is zero)."""
+    return dot / (nn * rr).sqrt().clamp_min(1e-30)
