@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
+from lightning_muon.optim.config import MuonConfig, keys
 
 __all__ = ["OPTIMIZERS", "DiTModule", "PlainValue", "PromptEncoder", "build_transformer", "checked_hparams"]
 
@@ -433,24 +434,10 @@ class DiTModule(L.LightningModule):
         """``(PeriodicRowwiseMuon options, AdamW group options)`` from the hyperparameters."""
         h = self.hparams
         adamw = {"lr": h.adamw_lr, "betas": tuple(h.betas), "weight_decay": h.weight_decay}
-        muon = dict(
-            lr=h.lr,
-            period=1 if h.optimizer == "muon" else h.period,
-            rownorm_scale=h.rownorm_scale,
-            momentum=h.momentum,
-            weight_decay=h.weight_decay,
-            adjust_lr=h.adjust_lr,
-            ns_dtype=h.ns_dtype,
-            ns_steps=h.ns_steps,
-            ns_coefficients=h.ns_coefficients,
-            ns_normalize=h.ns_normalize,
-            ns_method=h.ns_method,
-            schedule=h.refresh_schedule,
-            drift_threshold=h.drift_threshold,
-            min_period=h.min_period,
-            max_period=h.max_period,
-            nonfinite=h.nonfinite,
-        )
+        # every MuonConfig option the module exposes, under its own name (the lr schedule took ``schedule``)
+        names = {key: "refresh_schedule" if key == "schedule" else key for key in keys(MuonConfig)}
+        muon = {key: h[name] for key, name in names.items() if name in h}
+        muon.update(period=1 if h.optimizer == "muon" else h.period, nonfinite=h.nonfinite)
         return muon, adamw
 
     def configure_optimizers(self) -> dict[str, Any]:
