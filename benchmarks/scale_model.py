@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from lightning_muon import muon_param_groups
-from lightning_muon.optim.shards import RowShard, assign_owners, bucket_indices
 from lightning_muon.optim.kernels import ns_flops, row_norm_dim
+from lightning_muon.optim.shards import RowShard, assign_owners, bucket_indices
 from lightning_muon.recipes.cli import SHIPPED_CONFIGS, load_config
 from lightning_muon.recipes.module import build_transformer
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
-import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,48 +18,21 @@ from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
 from lightning_muon.callbacks.publish import logger_step, publish_scalars
 from lightning_muon.checkpoint import atomic_write
+from lightning_muon.metrics.evaluation import (
+    MetricSuite,
+    check_generated_images,
+    prepare_references,
+    read_prompts,
+    real_images_of,
+    score_generation,
+    suite_fields,
+)
 from lightning_muon.metrics.features import cache_dir
-from lightning_muon.metrics.generation import HPSv2Score
 from lightning_muon.metrics.geneval2 import GenEval2
-from lightning_muon.metrics.images import folder_images, image_set_fingerprint
-from lightning_muon.metrics.presets import build_metrics
-from lightning_muon.metrics.reference import ensure_references
-from lightning_muon.parallelize import rank_and_world
 
-__all__ = [
-    "GenerationEvaluation",
-    "append_jsonl",
-    "check_generated_images",
-    "flatten_metrics",
-    "prepare_references",
-    "sample_conditions",
-    "score_generation",
-]
+__all__ = ["GenerationEvaluation", "append_jsonl", "sample_grid"]
 
 log = logging.getLogger(__name__)
-
-
-def sample_conditions(indices: Tensor, num_classes: int, seed: int) -> tuple[Tensor, Tensor]:
-    """Sample i has class ``i mod num_classes`` and noise seed ``seed + i``: the same on any number of ranks."""
-    return indices % num_classes, seed + indices
-
-
-def read_prompts(path: str | os.PathLike) -> list[str]:
-    """The prompts of a text file, one per line (blank lines skipped); an error when there are none."""
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"prompts file {path} has no prompts (one per line).")
-    return prompts
-
-
-def check_generated_images(images: Tensor) -> None:
-    """Raise unless ``images`` are what the metrics take: uint8 ``(N, 1 or 3, H, W)``."""
-    if images.ndim != 4 or images.dtype != torch.uint8 or images.shape[1] not in (1, 3):
-        raise ValueError(
-            f"generate() returned {images.dtype} images of shape {tuple(images.shape)}; the generation metrics take "
-            "uint8 (N, 1 or 3, H, W). A model trained in a latent space must decode its samples: set vae_path "
-            "(DiTModule(vae_path=...), `model.vae_path` in the config) to the AutoencoderKL of the latents."
-        )
 
 
 def sample_grid(images: Tensor, min_size: int = 256) -> Tensor:
@@ -78,147 +48,12 @@ def sample_grid(images: Tensor, min_size: int = 256) -> Tensor:
     return make_grid(x, nrow=nrow, padding=1, pad_value=1.0)
 
 
-def flatten_metrics(name: str, value: Tensor | dict[str, Tensor]) -> dict[str, float]:
-    """``{"eval/<name>": v}`` for a scalar, ``{"eval/<key>": v}`` for each entry of a dict (e.g. PRDC's recall)."""
-    if isinstance(value, dict):
-        suffix = name.rsplit("_", 1)[-1] if "_" in name else ""
-        return {f"eval/{k}_{suffix}" if suffix else f"eval/{k}": float(v) for k, v in value.items()}
-    return {f"eval/{name}": float(value)}
-
-
 def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
     """Append one JSON line atomically: the file is rewritten under a temporary name and renamed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     old = path.read_text() if path.is_file() else ""
     atomic_write(path, lambda tmp: tmp.write_text(old + json.dumps(row) + "\n"))
-
-
-class IndexedImages(torch.utils.data.Dataset):
-    """Rank ``rank``'s share (samples i ≡ rank mod W) of a set of images, as ``(image, global index)`` pairs."""
-
-    def __init__(self, share: Any, rank: int, world: int) -> None:
-        self.share, self.rank, self.world = share, rank, world
-
-    def __len__(self) -> int:
-        return len(self.share)
-
-    def __getitem__(self, i: int) -> tuple[Tensor, int]:
-        return self.share[i], self.rank + i * self.world
-
-
-def prepare_references(
-    metrics: dict[str, Any], real_images: Any, cache_dir: Path, data_name: str, batch_size: int
-) -> None:
-    """Load or compute (once, cached in ``cache_dir``) the reference statistics of every metric that has none.
-
-    ``real_images()`` returns the real images as an indexable set of uint8 images (a tensor, or a lazy dataset such
-    as :func:`~lightning_muon.metrics.images.folder_images`). The cache is keyed by the metric, the extractor's
-    settings and weights and a fingerprint of the images (:func:`image_set_fingerprint`); images are decoded only
-    when a cache is missing or stale, and then each rank decodes only its share i ≡ rank (mod W), once for all
-    metrics.
-    """
-    pending = {n: m for n, m in metrics.items() if getattr(m, "reference", True) is None}
-    if not pending:
-        return
-    from torch.utils.data import DataLoader, Subset
-
-    rank, world = rank_and_world()
-    images = real_images()
-    data = {"name": data_name, "count": len(images), "fingerprint": image_set_fingerprint(images)}
-    share = IndexedImages(Subset(images, range(rank, len(images), world)), rank, world)
-    paths = {name: Path(cache_dir) / f"{name}_{data_name}_{len(images)}.pt" for name in pending}
-    ensure_references(pending, paths, lambda: DataLoader(share, batch_size=batch_size), data, progress=False)
-
-
-def _generate_share(
-    module: Any,
-    count: int,
-    conditions_of: Callable[[Tensor], Any],
-    seed: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    batch_size: int,
-    progress: bool,
-    desc: str,
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """This rank's samples i ≡ rank (mod W) of ``count``, as ``(images, global indices)`` batches: sample i is
-    conditioned on ``conditions_of(i)`` with seed ``seed + i``. Every rank runs the same number of equal-sized
-    batches (padded; the padding is dropped here), as FSDP needs every rank in every forward."""
-    from tqdm.auto import tqdm
-
-    rank, world = rank_and_world()
-    per_rank = -(-count // world)
-    indices = torch.arange(rank, per_rank * world, world)
-    bar = progress and rank == 0 and sys.stderr.isatty()  # a redirected run prints LineProgress lines instead
-    for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not bar, leave=False):
-        idx = indices[b : b + batch_size]
-        keep = idx < count
-        images = module.generate(  # padding samples repeat a real one's condition
-            conditions_of(idx % count),
-            (seed + idx).tolist(),
-            num_inference_steps,
-            guidance_scale,
-            batch_size=batch_size,
-        )
-        yield images[keep.to(images.device)], idx[keep]
-
-
-@torch.no_grad()
-def score_generation(
-    module: Any,
-    metrics: dict[str, Any],
-    num_samples: int,
-    num_classes: int,
-    seed: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    batch_size: int,
-    grid_size: int = 0,
-    progress: bool = True,
-    desc: str = "generating",
-    prompts: list[str] | None = None,
-) -> tuple[dict[str, float], Tensor | None]:
-    """Generate the globally indexed sample set with ``module.generate`` and compute ``metrics`` on it.
-
-    Sample i is conditioned on class ``i mod num_classes``, or with ``prompts`` on prompt ``i mod len(prompts)``
-    (text-to-image; :class:`HPSv2Score` then scores image–prompt pairs); its seed is ``seed + i``. A
-    :class:`GenEval2` metric gets a sample set of its own: each of its benchmark prompts, ``images_per_prompt`` times,
-    with seeds ``seed + j``. Rank r generates the samples i ≡ r (mod W) (see :func:`_generate_share`). Returns
-    ``{"eval/...": value, "eval/seconds"}`` and up to ``grid_size`` samples of this rank (uint8) for a grid.
-    """
-    start = time.perf_counter()
-    for metric in metrics.values():
-        metric.reset()
-    sets = {name: m for name, m in metrics.items() if isinstance(m, GenEval2)}
-    shared = {name: m for name, m in metrics.items() if name not in sets}
-    settings = (seed, num_inference_steps, guidance_scale, batch_size, progress)
-    grid: list[Tensor] = []
-
-    def conditions_of(idx: Tensor) -> Any:
-        return (
-            [prompts[i % len(prompts)] for i in idx.tolist()] if prompts else sample_conditions(idx, num_classes, 0)[0]
-        )
-
-    for images, idx in _generate_share(module, num_samples if shared else 0, conditions_of, *settings, desc):
-        for metric in shared.values():
-            if isinstance(metric, HPSv2Score):
-                metric.update(images, conditions_of(idx))
-            else:  # global sample indices: order-dependent metrics (KID, IS) see the single-process order
-                metric.update(images, real=False, index=idx)
-        if sum(len(g) for g in grid) < grid_size:
-            grid.append(images.cpu())
-    for name, metric in sets.items():
-        prompts_of = lambda idx, m=metric: [m.prompt_of(i).prompt for i in idx.tolist()]  # noqa: E731
-        for images, idx in _generate_share(module, metric.num_samples, prompts_of, *settings, f"{desc} ({name})"):
-            metric.update(images, idx)
-            if sum(len(g) for g in grid) < grid_size:
-                grid.append(images.cpu())
-    values: dict[str, float] = {}
-    for name, metric in metrics.items():
-        values.update(flatten_metrics(name, metric.compute()))
-    values["eval/seconds"] = time.perf_counter() - start
-    return values, (torch.cat(grid)[:grid_size] if grid else None)
 
 
 class GenerationEvaluation(Callback):
@@ -239,7 +74,10 @@ class GenerationEvaluation(Callback):
     Both are checked in ``setup``, naming what is missing. ``examples/custom_module.py`` is a module of one's own.
 
     Args:
-        metrics: names from :data:`lightning_muon.metrics.presets.METRIC_NAMES`.
+        metrics, dinov2_weights, inception_weights, clip_weights, hps_weights, clip_model, hps_model,
+            clip_quick_gelu, fid_resize, geneval2_prompts, geneval2_judge, geneval2_images_per_prompt: the metric
+            suite, :class:`~lightning_muon.metrics.evaluation.MetricSuite` (names from
+            :data:`~lightning_muon.metrics.evaluation.METRIC_NAMES`).
         every_n_steps: evaluation period in optimizer steps (0: only at the end of training).
         on_checkpoint: also evaluate whenever a checkpoint is saved (once per global step).
         num_samples: generated images per evaluation.
@@ -250,20 +88,8 @@ class GenerationEvaluation(Callback):
             ``$LIGHTNING_MUON_CACHE`` or ``~/.cache/lightning_muon``: shared by runs, keyed by the real images).
         grid_size: images in the logged grid.
         seed: base noise seed.
-        dinov2_weights / inception_weights / clip_weights / hps_weights: local weights for those metrics.
-        clip_model / hps_model: open_clip architectures of ``clip_weights`` / ``hps_weights`` (a name, or the path
-            of an open_clip model-config JSON file).
-        clip_quick_gelu: build the CLIP of ``cmmd`` with QuickGELU, as OpenAI's weights need (False for LAION's).
-        fid_resize: ``tf1`` (torch-fidelity's resize, the default) or ``clean`` (clean-fid's PIL bicubic) for the
-            InceptionV3 metrics.
         prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
             (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
-        geneval2_prompts: GenEval 2's benchmark file (the reference's ``geneval2_data.jsonl``), needed by
-            ``geneval2``, which generates its own samples: each benchmark prompt, ``geneval2_images_per_prompt``
-            times.
-        geneval2_judge: the Soft-TIFA judge's weights (a transformers vision-language model directory or cached hub
-            id; the reference's is Qwen3-VL-8B-Instruct).
-        geneval2_images_per_prompt: images per GenEval 2 prompt (the reference scores one).
         real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
             (latent-shard training has no images), resized and center-cropped to ``real_image_size``.
         progress: show a progress bar on rank 0.
@@ -301,29 +127,20 @@ class GenerationEvaluation(Callback):
         super().__init__()
         if every_n_steps < 0 or num_samples < 2:
             raise ValueError(f"every_n_steps must be >= 0 and num_samples >= 2, got {every_n_steps}, {num_samples}.")
-        self.metric_names = list(metrics)
         self.every_n_steps, self.on_checkpoint = every_n_steps, on_checkpoint
         self.num_samples, self.num_classes = num_samples, num_classes
         self.num_inference_steps, self.guidance_scale, self.batch_size = num_inference_steps, guidance_scale, batch_size
         self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
-        self.weights = dict(
-            dinov2_weights=dinov2_weights,
-            inception_weights=inception_weights,
-            clip_weights=clip_weights,
-            hps_weights=hps_weights,
-            clip_model=clip_model,
-            hps_model=hps_model,
-            clip_quick_gelu=clip_quick_gelu,
-            fid_resize=fid_resize,
-            geneval2_prompts=geneval2_prompts,
-            geneval2_judge=geneval2_judge,
-            geneval2_images_per_prompt=geneval2_images_per_prompt,
-        )
+        given = locals()
+        self.suite = MetricSuite(**{name: given[name] for name in suite_fields()})
+        self.metric_names = list(metrics)
         self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
         self.prompts: list[str] | None = None
         self.metrics: dict[str, Any] = {}
         self._last_step = -1
         self.history: list[dict[str, float]] = []
+        #: whether a larger value of each logged key is better (its metric's ``higher_is_better``)
+        self.higher_is_better: dict[str, bool] = {}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -334,7 +151,7 @@ class GenerationEvaluation(Callback):
         check_protocol(pl_module, Generator, "LightningModule")
         if not self.real_images_dir:
             check_protocol(trainer.datamodule, RealImages, "datamodule")
-        self.metrics = build_metrics(self.metric_names, **self.weights)
+        self.metrics = self.suite.build()
         for metric in self.metrics.values():
             metric.to(pl_module.device)
 
@@ -395,15 +212,10 @@ class GenerationEvaluation(Callback):
             self.evaluate(trainer, pl_module, monitorable=False)
 
     def _references(self, trainer: L.Trainer) -> None:
-        if self.real_images_dir:
-            real, name = (
-                lambda: folder_images(self.real_images_dir, self.real_image_size),
-                Path(self.real_images_dir).name,
-            )
-        else:
-            real, name = getattr(trainer.datamodule, "real_images", None), type(trainer.datamodule).__name__
-        if real is None:
-            raise AttributeError("GenerationEvaluation needs real_images_dir= or a datamodule with real_images().")
+        default = getattr(trainer.datamodule, "real_images", None)
+        real, name = real_images_of(
+            self.real_images_dir, self.real_image_size, default, type(trainer.datamodule).__name__
+        )
         cache = Path(self.reference_dir or cache_dir() / "eval_reference")
         prepare_references(self.metrics, real, cache, name, self.batch_size)
 
@@ -416,7 +228,7 @@ class GenerationEvaluation(Callback):
                 callback.update(trainer, pl_module)
         self._references(trainer)
         desc = f"eval @ step {trainer.global_step}"
-        values, grid = score_generation(
+        values, grid, higher_is_better = score_generation(
             pl_module,
             self.metrics,
             self.num_samples,
@@ -431,6 +243,7 @@ class GenerationEvaluation(Callback):
             self.prompts,
         )
         self.history.append({"step": trainer.global_step, **values})
+        self.higher_is_better.update(higher_is_better)
         publish_scalars(trainer, pl_module, values, monitorable)
         if trainer.is_global_zero:
             self._publish(trainer, values, grid)

@@ -126,10 +126,6 @@ class MuonCLI(LightningCLI):
             print(summary)
 
 
-#: evaluation keys whose best value is the smallest (distances); the others (precision, recall, IS, HPS) the largest
-LOWER_IS_BETTER = ("eval/fd", "eval/fid", "eval/sfid", "eval/kid", "eval/mmd", "eval/cmmd")
-
-
 def fit_summary(trainer: L.Trainer) -> str:
     """Best and last evaluation values, the checkpoints, and the ``tensorboard`` command for the run's logs (every
     rank calls it: ``trainer.log_dir`` broadcasts)."""
@@ -140,8 +136,8 @@ def fit_summary(trainer: L.Trainer) -> str:
     lines = [f"Trained {trainer.global_step} steps."]
     for evaluation in (c for c in trainer.callbacks if isinstance(c, GenerationEvaluation) and c.history):
         last = evaluation.history[-1]
-        for key in (k for k in last if k.startswith("eval/") and k != "eval/seconds"):
-            pick = min if key.startswith(LOWER_IS_BETTER) else max
+        for key in (k for k in last if k in evaluation.higher_is_better):  # best by the metric's higher_is_better
+            pick = max if evaluation.higher_is_better[key] else min
             best = pick(evaluation.history, key=lambda row: row.get(key, float("nan")))
             lines.append(
                 f"  {key}: last {last[key]:.4g} (step {last['step']}), best {best[key]:.4g} (step {best['step']})"

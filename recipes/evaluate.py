@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
-import inspect
 import logging
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_muon.callbacks.generation import prepare_references, read_prompts, score_generation
 from lightning_muon.checkpoint import (
     META_FILE,
     atomic_write,
@@ -31,9 +30,17 @@ from lightning_muon.checkpoint import (
     is_distributed_checkpoint,
     load_distributed,
 )
+from lightning_muon.metrics.evaluation import (
+    METRIC_NAMES,
+    MetricSuite,
+    Sampling,
+    prepare_references,
+    read_prompts,
+    real_images_of,
+    score_generation,
+    suite_fields,
+)
 from lightning_muon.metrics.features import cache_dir
-from lightning_muon.metrics.images import folder_images
-from lightning_muon.metrics.presets import METRIC_NAMES, build_metrics
 from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.module import DiTModule, build_transformer, cast, checked_hparams
 
@@ -206,54 +213,19 @@ def _init_distributed(device: str | None) -> torch.device:
     return torch.device(device or "cpu")
 
 
-#: The :class:`GenerationEvaluation` arguments that ``evaluate`` shares: its flags are built from the callback's
-#: signature (defaults) and docstring (help), so the two cannot drift apart.
-SHARED_ARGUMENTS = (
-    "metrics",
-    "num_samples",
-    "num_classes",
-    "num_inference_steps",
-    "guidance_scale",
-    "batch_size",
-    "seed",
-    "prompts_file",
-    "dinov2_weights",
-    "inception_weights",
-    "clip_weights",
-    "hps_weights",
-    "clip_model",
-    "hps_model",
-    "clip_quick_gelu",
-    "fid_resize",
-    "geneval2_prompts",
-    "geneval2_judge",
-    "geneval2_images_per_prompt",
-)
-
-
-def add_callback_arguments(parser: argparse.ArgumentParser, **overrides: tuple[Any, type, str]) -> None:
-    """``--num-samples`` etc. for :data:`SHARED_ARGUMENTS`, from ``GenerationEvaluation``'s signature and
-    docstring; ``overrides`` maps a name to ``(default, type, help)``."""
-    import docstring_parser
-
-    from lightning_muon.callbacks import GenerationEvaluation
-
-    docs = {}
-    for param in docstring_parser.parse(GenerationEvaluation.__doc__).params:
-        for name in param.arg_name.split("/"):
-            docs[name.strip()] = " ".join((param.description or "").split()).replace("%", "%%")
-    signature = inspect.signature(GenerationEvaluation.__init__).parameters
-    for name in SHARED_ARGUMENTS:
-        default = signature[name].default
-        kind = type(default) if default is not None else str
-        default, kind, doc = overrides.get(name, (default, kind, docs.get(name, "")))
-        flag = "--" + name.replace("_", "-")
-        if name == "metrics":
+def add_dataclass_arguments(parser: argparse.ArgumentParser, kind: type, **overrides: tuple[Any, type, str]) -> None:
+    """``--num-samples`` etc.: one flag per field of the dataclass ``kind`` (:class:`Sampling`,
+    :class:`MetricSuite`), with its default and help; ``overrides`` maps a name to ``(default, type, help)``."""
+    for f in fields(kind):
+        kind_of = type(f.default) if f.default is not None else str
+        default, kind_of, doc = overrides.get(f.name, (f.default, kind_of, f.metadata["help"]))
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "metrics":
             parser.add_argument(flag, nargs="+", default=list(default), choices=sorted(METRIC_NAMES), help=doc)
-        elif kind is bool:
+        elif kind_of is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
         else:
-            parser.add_argument(flag, type=kind, default=default, help=doc)
+            parser.add_argument(flag, type=kind_of, default=default, help=doc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="output directory (results.csv, results.md, <metric>.png); reference statistics are cached in "
         "$LIGHTNING_MUON_CACHE/eval_reference (default ~/.cache/lightning_muon)",
     )
-    add_callback_arguments(parser, num_classes=(None, int, "default: the checkpoint's num_classes"))
+    add_dataclass_arguments(parser, Sampling, num_classes=(None, int, "default: the checkpoint's num_classes"))
+    add_dataclass_arguments(parser, MetricSuite)
     parser.add_argument("--real", default="digits", help="'digits' or an image folder with the real images")
     parser.add_argument("--image-size", type=int, default=256, help="resolution of an image-folder reference")
     parser.add_argument("--device", default=None, help="default: CUDA (this rank's GPU under torchrun), else cpu")
@@ -293,7 +266,7 @@ def _score_checkpoint(
     """Generate from one checkpoint's sampling weights and score the samples."""
     module, _ = load_generator(ckpt, device, dtype, meta)
     num_classes = args.num_classes or meta.get("hyper_parameters", {}).get("num_classes", 10)
-    values, _ = score_generation(
+    values, _, _ = score_generation(
         module,
         metrics,
         args.num_samples,
@@ -328,29 +301,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:  # a missing weights argument, or a file that is not there: a short error naming it
-        metrics = build_metrics(
-            args.metrics,
-            args.dinov2_weights,
-            args.inception_weights,
-            args.clip_weights,
-            args.hps_weights,
-            args.clip_model,
-            args.hps_model,
-            clip_quick_gelu=args.clip_quick_gelu,
-            fid_resize=args.fid_resize,
-            geneval2_prompts=args.geneval2_prompts,
-            geneval2_judge=args.geneval2_judge,
-            geneval2_images_per_prompt=args.geneval2_images_per_prompt,
-        )
+        metrics = MetricSuite(**{name: getattr(args, name) for name in suite_fields()}).build()
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     for metric in metrics.values():
         metric.to(device)
-    if args.real == "digits":
-        real, data_name = DigitsDataModule().real_images, "digits"
-    else:
-        real = lambda: folder_images(args.real, args.image_size)  # noqa: E731
-        data_name = Path(args.real).name
+    digits = DigitsDataModule().real_images
+    real, data_name = real_images_of(None if args.real == "digits" else args.real, args.image_size, digits, "digits")
     prepare_references(metrics, real, cache_dir() / "eval_reference", data_name, args.batch_size)
 
     csv_path = out / "results.csv"

@@ -254,8 +254,8 @@ def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
     """A tiny PixArt with a tiny T5 generates for prompts i mod P; HPSv2 scores exactly those image-prompt pairs."""
     from helpers import tiny_open_clip_config, tiny_text_encoder
 
-    from lightning_muon.callbacks.generation import prepare_references, score_generation
     from lightning_muon.metrics import FrechetDistance, HPSv2Score
+    from lightning_muon.metrics.evaluation import prepare_references, score_generation
 
     tiny_text_encoder(tmp_path / "t5")
     _, clip_path = tiny_open_clip_config(tmp_path)
@@ -281,8 +281,11 @@ def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
         "fd_digits": FrechetDistance(DigitsFeatures()),
     }
     prepare_references(metrics, DigitsDataModule().real_images, tmp_path / "ref", "digits", 256)
-    values, grid = score_generation(module, metrics, 7, 10, 0, 2, 2.0, 4, grid_size=4, progress=False, prompts=prompts)
+    values, grid, higher = score_generation(
+        module, metrics, 7, 10, 0, 2, 2.0, 4, grid_size=4, progress=False, prompts=prompts
+    )
     assert {"eval/hpsv2", "eval/fd_digits"} <= values.keys() and grid.shape == (4, 3, 8, 8)
+    assert higher == {"eval/hpsv2": True, "eval/fd_digits": False}  # each metric's higher_is_better
     expected_prompts = [prompts[i % 3] for i in range(7)]
     images = module.generate(expected_prompts, list(range(7)), 2, 2.0)
     independent = HPSv2Score(clip_path, model_name="tiny-test-clip").scores(images, expected_prompts).mean()
@@ -371,16 +374,30 @@ def test_early_stopping_reads_the_evaluation(cache, tmp_path):
     assert stop.stopped_epoch == 1 and trainer.global_step == 6  # 3 steps per epoch
 
 
-def test_evaluate_flags_come_from_the_callback_signature():
+def test_evaluate_flags_and_the_callback_share_the_engines_defaults():
+    """``evaluate``'s flags are the fields of Sampling and MetricSuite; the callback's signature has the same
+    defaults (control: a default changed in the callback alone is caught)."""
     import inspect
+    from dataclasses import fields
 
-    from lightning_muon.recipes.evaluate import SHARED_ARGUMENTS, build_parser
+    from lightning_muon.metrics.evaluation import MetricSuite, Sampling
+    from lightning_muon.recipes.evaluate import build_parser
 
     args = vars(build_parser().parse_args(["run"]))
     signature = inspect.signature(GenerationEvaluation.__init__).parameters
-    for name in SHARED_ARGUMENTS:
-        want = None if name == "num_classes" else signature[name].default  # evaluate reads it from the checkpoint
-        assert args[name] == (list(want) if isinstance(want, tuple) else want), name
+
+    def mismatches(signature):
+        wrong = []
+        for f in (*fields(Sampling), *fields(MetricSuite)):
+            want = None if f.name == "num_classes" else f.default  # evaluate reads it from the checkpoint
+            assert args[f.name] == (list(want) if isinstance(want, tuple) else want), f.name
+            if signature[f.name].default != f.default:
+                wrong.append(f.name)
+        return wrong
+
+    assert mismatches(signature) == []
+    changed = dict(signature, seed=signature["seed"].replace(default=1))
+    assert mismatches(changed) == ["seed"]
 
 
 def test_evaluate_scores_a_checkpoint_as_the_callback_did_at_its_step(cache, tmp_path):
@@ -403,7 +420,7 @@ def test_evaluate_scores_a_checkpoint_as_the_callback_did_at_its_step(cache, tmp
     module, _ = load_generator(next((tmp_path / "run").rglob("*.ckpt")), torch.device("cpu"))
     saved = torch.load(next((tmp_path / "run").rglob("*.ckpt")), weights_only=True)["state_dict"]
     module.model.load_state_dict({k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")})
-    from lightning_muon.callbacks.generation import score_generation
+    from lightning_muon.metrics.evaluation import score_generation
 
-    values, _ = score_generation(module, evaluation.metrics, 48, 10, 0, 3, 1.0, 48, progress=False)
+    values, _, _ = score_generation(module, evaluation.metrics, 48, 10, 0, 3, 1.0, 48, progress=False)
     assert abs(values["eval/fd_digits"] - callback["eval/fd_digits"]) > 1e-3 * callback["eval/fd_digits"]

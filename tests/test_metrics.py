@@ -266,7 +266,7 @@ def test_rank_zero_decides_whether_the_reference_cache_is_valid(classifier_path,
 
 
 def test_stale_reference_cache_is_rebuilt_never_reused(classifier_path, tmp_path):
-    from lightning_muon.callbacks.generation import prepare_references
+    from lightning_muon.metrics.evaluation import prepare_references
     from lightning_muon.metrics.images import folder_images, image_set_fingerprint
 
     real, fake = digits_images(100), digits_images(70, noise=0.2)

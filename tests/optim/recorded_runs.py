@@ -17,16 +17,49 @@ SHAPES = ((24, 16), (16, 24), (20, 20))
 
 #: name -> (optimizer options, parameter dtype, steps, step whose gradient is NaN (None: all finite))
 RUNS: dict[str, tuple[dict, torch.dtype, int, int | None]] = {
-    "fixed_k3_skip": (dict(lr=0.02, period=3, rownorm_scale=0.15, weight_decay=0.01, ns_dtype="float32"),
-                      torch.float32, 8, 4),
-    "adaptive": (dict(lr=0.02, period=3, schedule="adaptive", drift_threshold=0.1, max_period=4, ns_dtype="float32"),
-                 torch.float32, 9, None),
+    "fixed_k3_skip": (
+        dict(lr=0.02, period=3, rownorm_scale=0.15, weight_decay=0.01, ns_dtype="float32"),
+        torch.float32,
+        8,
+        4,
+    ),
+    "adaptive": (
+        dict(lr=0.02, period=3, schedule="adaptive", drift_threshold=0.1, max_period=4, ns_dtype="float32"),
+        torch.float32,
+        9,
+        None,
+    ),
     "k1_variants_foreach_off": (
-        dict(lr=torch.tensor(0.01), period=1, nesterov=False, ns_coefficients="polar_express", ns_normalize="aol",
-             ns_method="gram", adjust_lr="match_rms_adamw", foreach=False, ns_dtype="float32", betas=(0.8, 0.99)),
-        torch.float32, 5, None),
-    "k2_bf16_params": (dict(lr=0.02, period=2, rownorm_scale=0.3, weight_decay=0.1, ns_dtype="bfloat16",
-                            adamw_lr=0.003, adamw_weight_decay=0.0), torch.bfloat16, 6, None),
+        dict(
+            lr=torch.tensor(0.01),
+            period=1,
+            nesterov=False,
+            ns_coefficients="polar_express",
+            ns_normalize="aol",
+            ns_method="gram",
+            adjust_lr="match_rms_adamw",
+            foreach=False,
+            ns_dtype="float32",
+            betas=(0.8, 0.99),
+        ),
+        torch.float32,
+        5,
+        None,
+    ),
+    "k2_bf16_params": (
+        dict(
+            lr=0.02,
+            period=2,
+            rownorm_scale=0.3,
+            weight_decay=0.1,
+            ns_dtype="bfloat16",
+            adamw_lr=0.003,
+            adamw_weight_decay=0.0,
+        ),
+        torch.bfloat16,
+        6,
+        None,
+    ),
 }
 
 
@@ -36,9 +69,7 @@ def run(name: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     matrices = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
     bias = torch.randn(16, generator=gen).to(dtype).requires_grad_()
-    opt = PeriodicRowwiseMuon(
-        [{"params": matrices}, {"params": [bias], "use_muon": False}], **options
-    )
+    opt = PeriodicRowwiseMuon([{"params": matrices}, {"params": [bias], "use_muon": False}], **options)
     for t in range(1, steps + 1):
         for p in [*matrices, bias]:
             p.grad = torch.randn(p.shape, generator=gen).to(dtype)
