@@ -271,6 +271,30 @@ def polynomial_mmd2(x: Tensor, y: Tensor, degree: int = 3, gamma: float | None =
     return (k_xx.sum() - k_xx.trace() + k_yy.sum() - k_yy.trace()) / (m * (m - 1)) - 2 * k_xy.sum() / (m * m)
 
 
+def kid_subset_values(
+    real: Tensor,
+    fake: Tensor,
+    subsets: int = 100,
+    subset_size: int = 1000,
+    degree: int = 3,
+    gamma: float | None = None,
+    coef0: float = 1.0,
+    seed: int = 2020,
+    shard: tuple[int, int] = (0, 1),
+) -> Tensor:
+    """KID's per-subset unbiased polynomial MMD² (float64, torch-fidelity's draws, :func:`kid_subsets`); with
+    ``shard=(rank, world)`` only subsets ``i ≡ rank (mod world)`` are computed, the others are 0 (sum over ranks).
+    KID is the mean of the values and its reported spread their population std."""
+    draws = kid_subsets(len(fake), len(real), subsets, subset_size, seed)
+    check_finite("KID features", real, fake)
+    rank, world = shard
+    values = torch.zeros(subsets, dtype=torch.float64, device=real.device)
+    for i in range(rank, subsets, world):
+        f, r = (idx.to(real.device) for idx in draws[i])
+        values[i] = polynomial_mmd2(fake[f], real[r], degree, gamma, coef0)
+    return values
+
+
 def inception_score(logits: Tensor, splits: int = 10, seed: int | None = 2020) -> tuple[Tensor, Tensor]:
     r"""Inception Score (Salimans et al. 2016) as torch-fidelity computes it: rows shuffled by
     ``numpy.random.RandomState(seed).permutation`` (``seed=None``: not shuffled), ``splits`` contiguous splits,
@@ -290,6 +314,28 @@ def inception_score(logits: Tensor, splits: int = 10, seed: int | None = 2020) -
         scores.append((part * (log_part - part.mean(0, keepdim=True).log())).sum(1).mean().exp())
     s = torch.stack(scores)
     return s.mean(), s.std(unbiased=False)
+
+
+# -------------------------------------------------------------------------------------------------------- HPSv2
+def letterbox(x: Tensor, size: int) -> Tensor:
+    """hpsv2's ``ResizeMaxSize`` on float images ``(B, 3, H, W)``: scale the longer side to ``size`` (bicubic,
+    antialiased; sides rounded), pad the shorter one with zeros (``pad // 2`` before); unchanged at ``size``."""
+    from torchvision.transforms.functional import InterpolationMode, pad, resize
+
+    h, w = x.shape[-2:]
+    scale = size / max(h, w)
+    if scale == 1.0:
+        return x
+    nh, nw = round(h * scale), round(w * scale)
+    x = resize(x, [nh, nw], InterpolationMode.BICUBIC, antialias=True)
+    ph, pw = size - nh, size - nw
+    return pad(x, [pw // 2, ph // 2, pw - pw // 2, ph - ph // 2], fill=0)
+
+
+def preference_scores(image_embeddings: Tensor, text_embeddings: Tensor) -> Tensor:
+    """HPSv2's per-pair score: the cosine similarity of an image's and its prompt's embeddings (float32)."""
+    image, text = (torch.nn.functional.normalize(e.float(), dim=-1) for e in (image_embeddings, text_embeddings))
+    return (image * text).sum(-1)
 
 
 # ------------------------------------------------------------------------------------------- GenEval 2 (Soft-TIFA)

@@ -31,20 +31,20 @@ from lightning_muon.metrics.features import (
     to_unit_float,
 )
 from lightning_muon.metrics.functional import (
-    check_finite,
     check_mmd_inputs,
     check_prdc_inputs,
     frechet_distance,
     gaussian_from_sums,
     inception_score,
-    kid_subsets,
+    kid_subset_values,
     knn_candidates,
+    letterbox,
     merge_knn,
     mmd_from_sums,
     mmd_kernel_sums,
-    polynomial_mmd2,
     prdc_counts,
     prdc_from_counts,
+    preference_scores,
 )
 from lightning_muon.metrics.reference import ReferenceCache, distributed
 
@@ -332,13 +332,9 @@ class KernelInceptionDistance(_FeatureSetMetric):
 
     def compute(self) -> dict[str, Tensor]:
         real, fake = self._features()
-        draws = kid_subsets(len(fake), len(real), self.subsets, self.subset_size, self.seed)
-        check_finite("KID features", real, fake)
-        rank, world = self._shard()
-        values = torch.zeros(self.subsets, dtype=torch.float64, device=real.device)
-        for i in range(rank, self.subsets, world):
-            f, r = (idx.to(real.device) for idx in draws[i])
-            values[i] = polynomial_mmd2(fake[f], real[r], self.degree, self.gamma, self.coef0)
+        values = kid_subset_values(
+            real, fake, self.subsets, self.subset_size, self.degree, self.gamma, self.coef0, self.seed, self._shard()
+        )
         values = self._sum(values)
         return {"kid": values.mean().float(), "kid_std": values.std(unbiased=False).float()}
 
@@ -406,11 +402,8 @@ class HPSv2Score(Metric):
             for start in range(0, len(images), self.batch_size):
                 x = letterbox(to_unit_float(images[start : start + self.batch_size].to(self.device)), self.image_size)
                 tokens = self.tokenizer(list(prompts[start : start + self.batch_size])).to(self.device)
-                image_emb = torch.nn.functional.normalize(
-                    self.model.encode_image(normalize(x, self.mean, self.std)).float(), dim=-1
-                )
-                text_emb = torch.nn.functional.normalize(self.model.encode_text(tokens).float(), dim=-1)
-                out.append((image_emb * text_emb).sum(-1))
+                image_emb = self.model.encode_image(normalize(x, self.mean, self.std))
+                out.append(preference_scores(image_emb, self.model.encode_text(tokens)))
         return torch.cat(out)
 
     def update(self, images: Tensor, prompts: Sequence[str]) -> None:
@@ -422,18 +415,3 @@ class HPSv2Score(Metric):
         if int(self.count) == 0:
             raise ValueError("HPSv2Score has no samples; call update(images, prompts) first.")
         return (self.score_sum / self.count).float()
-
-
-def letterbox(x: Tensor, size: int) -> Tensor:
-    """hpsv2's ``ResizeMaxSize`` on float images ``(B, 3, H, W)``: scale the longer side to ``size`` (bicubic,
-    antialiased; sides rounded), pad the shorter one with zeros (``pad // 2`` before); unchanged at ``size``."""
-    from torchvision.transforms.functional import InterpolationMode, pad, resize
-
-    h, w = x.shape[-2:]
-    scale = size / max(h, w)
-    if scale == 1.0:
-        return x
-    nh, nw = round(h * scale), round(w * scale)
-    x = resize(x, [nh, nw], InterpolationMode.BICUBIC, antialias=True)
-    ph, pw = size - nh, size - nw
-    return pad(x, [pw // 2, ph // 2, pw - pw // 2, ph - ph // 2], fill=0)
