@@ -10,8 +10,10 @@ unpickle nothing but plain data, and ``ckpt_path`` may be a directory (its newes
 ``num_nodes`` and cluster environments (torchrun, SLURM, …) work as in Lightning.
 
 The sharding plan itself (what a block is, ``shard_transformer``, the mixed-precision policy) is in
-:mod:`lightning_muon.parallelize`; this module holds Lightning's hooks, and the workarounds for Lightning's resume of
-a dataloader (``process_dataloader``, ``on_train_start``, ``_resumed_epoch``, ``_restore_loader_position``).
+:mod:`lightning_muon.parallelize`; this module holds Lightning's hooks, and in :class:`LoaderResume` the corrections
+to Lightning's resume of a dataloader. ``setup`` follows ``ModelParallelStrategy.setup`` step for step rather than
+calling it: the automatic sharding must happen before materialization, in the middle of that method, and it also
+serves modules without ``configure_model`` (which ``ModelParallelStrategy.setup`` rejects).
 
 The process group belongs to Lightning and the launcher: the strategy never destroys it nor runs a collective in
 teardown (a rank that raised must not wait in a barrier for ranks that will never arrive). At interpreter exit a
@@ -66,7 +68,62 @@ def _is_sharded(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-class MuonFSDPStrategy(ModelParallelStrategy):
+class LoaderResume:
+    """Lightning's resume of a dataloader, corrected (Lightning 2.6; each fix has a test that fails without it).
+
+    - Every rank's position is kept, not only rank 0's (``combined_loader_per_rank``): with the device count
+      unchanged each rank resumes where it stopped.
+    - A checkpoint taken at an epoch's last batch resumes at the next epoch's start: Lightning ends that epoch on
+      restart, and the old position applied to the new epoch would skip all of it.
+    - The sampler gets the resumed epoch before Lightning's first iterator (``process_dataloader``); it otherwise
+      fast-forwards through the epoch-0 permutation (Lightning issue #21938).
+    - After a resume mid-epoch the epoch being trained counts as started (``on_train_start``), as in an
+      uninterrupted run; otherwise the next last-batch checkpoint resumes with its sampler epoch one behind (found
+      by the SIGKILL test).
+    """
+
+    _resumed_epoch: int | None = None  # set when a checkpoint is loaded, used until training starts
+
+    def _keep_loader_positions(self, checkpoint: dict[str, Any]) -> None:
+        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        if "combined_loader" in fit_state and torch.distributed.is_initialized():
+            per_rank: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(per_rank, fit_state["combined_loader"])
+            fit_state["combined_loader_per_rank"] = per_rank
+
+    def _restore_loader_position(self, meta: dict[str, Any]) -> None:
+        """This rank's saved position when the device count is unchanged (rank 0's otherwise), and the epoch the
+        resumed run trains first."""
+        fit_loop = meta.get("loops", {}).get("fit_loop", {})
+        last_batch = bool(fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"))
+        self._resumed_epoch = None
+        if "epoch_progress" in fit_loop:
+            self._resumed_epoch = int(fit_loop["epoch_progress"]["current"]["completed"]) + last_batch
+        state = fit_loop.get("state_dict", {})
+        per_rank = state.pop("combined_loader_per_rank", None)
+        if per_rank is not None and len(per_rank) == self.world_size:
+            state["combined_loader"] = per_rank[self.global_rank]
+        if last_batch:
+            state.pop("combined_loader", None)
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        from lightning.fabric.utilities.data import _set_sampler_epoch
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.training and self._resumed_epoch is not None:
+            _set_sampler_epoch(dataloader, self._resumed_epoch)
+        return dataloader
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        loop = self.lightning_module.trainer.fit_loop
+        if self._resumed_epoch is not None and loop.restarted_mid_epoch:
+            for tracker in (loop.epoch_progress.current, loop.epoch_progress.total):
+                tracker.ready = tracker.started = tracker.processed + 1
+        self._resumed_epoch = None
+
+
+class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
     """FSDP2 data parallelism for PeriodicRowwiseMuon (registered as ``strategy="muon_fsdp"``).
 
     Args:
@@ -109,7 +166,6 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         self.mp_policy = mp_policy.policy() if isinstance(mp_policy, MixedPrecision) else mp_policy
         self.reshard_after_forward = reshard_after_forward
         self._shard_mesh: DeviceMesh | None = None
-        self._resumed_epoch: int | None = None  # set by load_checkpoint, used until training starts
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -196,11 +252,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("muon_fsdp writes checkpoints itself: storage_options is not supported.")
         path = Path(self.broadcast(str(filepath)))
-        fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-        if "combined_loader" in fit_state and torch.distributed.is_initialized():
-            per_rank: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(per_rank, fit_state["combined_loader"])
-            fit_state["combined_loader_per_rank"] = per_rank
+        self._keep_loader_positions(checkpoint)
         if not self._save_distributed_checkpoint:
             if self.is_global_zero:
                 if path.is_dir():
@@ -210,32 +262,6 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         save_distributed_checkpoint(state, checkpoint, path, self.global_rank, self.barrier)
-
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        """On resume, give the (distributed) sampler the resumed epoch before Lightning creates the first iterator:
-        it otherwise fast-forwards through the epoch-0 permutation (Lightning issue #21938)."""
-        from lightning.fabric.utilities.data import _set_sampler_epoch
-
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.training and self._resumed_epoch is not None:
-            _set_sampler_epoch(dataloader, self._resumed_epoch)
-        return dataloader
-
-    @override
-    def on_train_start(self) -> None:
-        """After a resume mid-epoch, count the epoch being trained as started (ready = started = processed + 1), as
-        an uninterrupted run does.
-
-        From a checkpoint at an epoch's last batch Lightning's restart ends that epoch but does not count the next
-        as started, so the counters stay one behind and the next such checkpoint resumes with its sampler epoch one
-        behind: an epoch's permutation replayed, a different loss curve (found by the SIGKILL test)."""
-        super().on_train_start()
-        loop = self.lightning_module.trainer.fit_loop
-        if self._resumed_epoch is not None and loop.restarted_mid_epoch:
-            for tracker in (loop.epoch_progress.current, loop.epoch_progress.total):
-                tracker.ready = tracker.started = tracker.processed + 1
-        self._resumed_epoch = None
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -270,9 +296,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                     self.model, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
                 )
             meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
-        fit_loop = meta.get("loops", {}).get("fit_loop", {})
-        self._resumed_epoch = _resumed_epoch(fit_loop)
-        _restore_loader_position(fit_loop, self.global_rank, self.world_size)
+        self._restore_loader_position(meta)
         return meta
 
     def _checkpoint_chosen_by_rank_zero(self, checkpoint_path: Any) -> Path:
@@ -307,27 +331,6 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + PeriodicRowwiseMuon (lightning-muon)")
-
-
-def _resumed_epoch(fit_loop: dict[str, Any]) -> int | None:
-    """The epoch a resumed run trains first: the saved one, or the next when the checkpoint was taken at an
-    epoch's last batch (Lightning ends that epoch on restart)."""
-    if "epoch_progress" not in fit_loop:
-        return None
-    epoch = int(fit_loop["epoch_progress"]["current"]["completed"])
-    return epoch + 1 if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch") else epoch
-
-
-def _restore_loader_position(fit_loop: dict[str, Any], rank: int, world_size: int) -> None:
-    """This rank's saved dataloader position when the device count is unchanged (rank 0's otherwise). A checkpoint
-    taken at the last batch of an epoch resumes at the next epoch's start: Lightning ends the epoch on restart, and
-    the old position applied to the new epoch would skip all of it."""
-    state = fit_loop.get("state_dict", {})
-    per_rank = state.pop("combined_loader_per_rank", None)
-    if per_rank is not None and len(per_rank) == world_size:
-        state["combined_loader"] = per_rank[rank]
-    if fit_loop.get("epoch_loop.batch_progress", {}).get("is_last_batch"):
-        state.pop("combined_loader", None)
 
 
 def _destroy_process_group_at_exit() -> None:
