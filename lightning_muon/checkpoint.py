@@ -32,6 +32,7 @@ __all__ = [
     "MetadataUnpickler",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "atomic_save",
     "atomic_write",
     "check_weights_file",
     "checkpoint_problem",
@@ -253,7 +254,7 @@ def save_distributed_checkpoint(
     barrier()
     dcp.save(state, checkpoint_id=partial)  # every rank's shards, then the coordinator's .metadata
     if rank == 0:
-        atomic_write(partial / META_FILE, lambda tmp: torch.save(meta, tmp))
+        atomic_save(meta, partial / META_FILE)
         if path.is_file():
             path.unlink()
         shutil.rmtree(old, ignore_errors=True)
@@ -276,6 +277,11 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def atomic_save(obj: object, path: str | os.PathLike) -> None:
+    """``torch.save`` through :func:`atomic_write`: readers never see a half-written file."""
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> None:

@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lightning_muon.checkpoint import (
     META_FILE,
-    atomic_write,
+    atomic_save,
     checkpoint_problem,
     is_distributed_checkpoint,
     load_distributed,
@@ -257,7 +257,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             if self.is_global_zero:
                 if path.is_dir():
                     remove_checkpoint(path)
-                atomic_write(path, lambda tmp: torch.save(checkpoint, tmp))
+                atomic_save(checkpoint, path)
             return
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})

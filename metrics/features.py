@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_muon.checkpoint import atomic_save
+from lightning_muon.metrics.images import check_images, clean_resize, normalize, pil_resize, to_uint8, to_unit_float
+
 __all__ = [
     "ClipFeatures",
     "DigitsFeatures",
@@ -43,84 +46,6 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def cache_dir() -> Path:
     """``$LIGHTNING_MUON_CACHE`` or ``~/.cache/lightning_muon``."""
     return Path(os.environ.get("LIGHTNING_MUON_CACHE", Path.home() / ".cache" / "lightning_muon"))
-
-
-def check_images(images: Tensor) -> Tensor:
-    """Raise unless ``images`` are ``(B, 1 or 3, H, W)`` uint8 in [0, 255] or float in [0, 1] (±1e-3); a float
-    tensor outside that range is an error naming the range it looks like, never silently wrapped or rescaled."""
-    if images.ndim != 4 or images.shape[1] not in (1, 3):
-        raise ValueError(f"Expected images (B, 1 or 3, H, W), got shape {tuple(images.shape)}.")
-    if images.shape[2] < 1 or images.shape[3] < 1:
-        raise ValueError(f"Images need at least 1x1 pixels, got shape {tuple(images.shape)}.")
-    if images.dtype == torch.uint8 or images.numel() == 0:
-        return images
-    if not images.is_floating_point():
-        raise ValueError(f"Expected uint8 or float images, got {images.dtype}.")
-    lo, hi = images.min().item(), images.max().item()
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise ValueError("Images contain NaN or inf values.")
-    if lo < -1e-3 or hi > 1 + 1e-3:
-        likely = "[-1, 1]: pass (x + 1) / 2" if lo < -1e-3 and hi <= 1 + 1e-3 else "[0, 255]: pass x / 255 or uint8"
-        raise ValueError(
-            f"Float images must lie in [0, 1], got values in [{lo:.4g}, {hi:.4g}]; this looks like {likely}."
-        )
-    return images
-
-
-def to_unit_float(images: Tensor, channels: int = 3) -> Tensor:
-    """uint8 [0, 255] or float [0, 1] images ``(B, C, H, W)`` → float32 in [0, 1] with ``channels`` channels."""
-    x = check_images(images)
-    x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float().clamp(0, 1)
-    if x.shape[1] == channels:
-        return x
-    return x.expand(-1, channels, -1, -1) if x.shape[1] == 1 else x.mean(1, keepdim=True)
-
-
-def to_uint8(images: Tensor) -> Tensor:
-    """Images as uint8 RGB ``(B, 3, H, W)``: floats in [0, 1] are quantized as a PNG writer would (round(255 x))."""
-    x = check_images(images)
-    if x.dtype != torch.uint8:
-        x = (x.float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
-
-
-def pil_resize(images: Tensor, size: int, center_crop: bool = False) -> Tensor:
-    """uint8 images → float ``(B, 3, size, size)`` in [0, 1] through PIL's bicubic resize, image by image: what
-    ``torchvision.transforms.Resize((size, size), BICUBIC)`` does to a PIL image in dgm-eval, and with
-    ``center_crop`` (largest centered square first) what google-research/cmmd's ``_center_crop_and_resize`` does."""
-    import numpy as np
-    from PIL import Image
-
-    out = []
-    for image in to_uint8(images).permute(0, 2, 3, 1).cpu().numpy():
-        pil = Image.fromarray(image)
-        if center_crop:
-            w, h = pil.size
-            side = min(w, h)
-            left, top = (w - side) // 2, (h - side) // 2
-            pil = pil.crop((left, top, left + side, top + side))
-        out.append(torch.from_numpy(np.asarray(pil.resize((size, size), Image.BICUBIC)).copy()))
-    return torch.stack(out).permute(0, 3, 1, 2).float().div_(255).to(images.device)
-
-
-def clean_resize(images: Tensor, size: int) -> Tensor:
-    """clean-fid's "clean" resize: each channel as a float32 PIL image, bicubic to ``size``, clipped to [0, 255];
-    returned as uint8 ``(B, 3, size, size)`` (rounded: the only difference to clean-fid, which keeps the floats)."""
-    import numpy as np
-    from PIL import Image
-
-    out = []
-    for image in to_uint8(images).float().cpu().numpy():
-        channels = [np.asarray(Image.fromarray(c, mode="F").resize((size, size), Image.BICUBIC)) for c in image]
-        out.append(torch.from_numpy(np.stack(channels).clip(0, 255)))
-    return torch.stack(out).round().to(torch.uint8).to(images.device)
-
-
-def normalize(x: Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> Tensor:
-    """``(x - mean) / std`` per channel."""
-    return (x - torch.tensor(mean, device=x.device).view(1, -1, 1, 1)) / torch.tensor(std, device=x.device).view(
-        1, -1, 1, 1
-    )
 
 
 def parameters_digest(module: nn.Module) -> str:
@@ -507,10 +432,3 @@ def _train_digits_classifier(epochs: int = 300, seed: int = 0) -> dict[str, Tens
             loss.backward()
             opt.step()
     return net.state_dict()
-
-
-def atomic_save(obj: object, path: str | os.PathLike) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then rename: readers never see a half-written file."""
-    from lightning_muon.checkpoint import atomic_write
-
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))

@@ -22,13 +22,10 @@ from torchmetrics.utilities import dim_zero_cat
 
 from lightning_muon.metrics.features import (
     FeatureExtractor,
-    check_images,
     clip_image_size,
     clip_mean_std,
     load_open_clip,
-    normalize,
     open_clip_model_name,
-    to_unit_float,
 )
 from lightning_muon.metrics.functional import (
     check_mmd_inputs,
@@ -46,6 +43,7 @@ from lightning_muon.metrics.functional import (
     prdc_from_counts,
     preference_scores,
 )
+from lightning_muon.metrics.images import check_images, normalize, to_unit_float
 from lightning_muon.metrics.reference import ReferenceCache, distributed
 
 __all__ = [

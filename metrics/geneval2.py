@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_muon.metrics.features import check_images, to_uint8
 from lightning_muon.metrics.functional import GENEVAL2_SKILLS, soft_tifa_from_sums, soft_tifa_sums
+from lightning_muon.metrics.images import check_images, to_uint8
 
 __all__ = ["GenEval2", "GenEval2Prompt", "SoftTifaJudge", "answer_spellings", "load_geneval2"]
 

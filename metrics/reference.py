@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric
 
-from lightning_muon.metrics.features import FeatureExtractor, atomic_save
+from lightning_muon.checkpoint import atomic_save
+from lightning_muon.metrics.features import FeatureExtractor
 from lightning_muon.parallelize import rank_and_world
 
 __all__ = ["ReferenceCache", "ensure_reference", "ensure_references", "update_with_images", "write_reference"]

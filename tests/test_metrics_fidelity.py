@@ -23,7 +23,7 @@ from lightning_muon.metrics import (
     InceptionScore,
     KernelInceptionDistance,
 )
-from lightning_muon.metrics.features import clean_resize
+from lightning_muon.metrics.images import clean_resize
 
 SIZES = (64, 256, 512)
 

@@ -132,7 +132,7 @@ def test_nonfinite_features_are_a_clear_error(formula, args):
 
 
 def test_zero_size_images_are_a_clear_error():
-    from lightning_muon.metrics.features import check_images
+    from lightning_muon.metrics.images import check_images
 
     check_images(torch.zeros(2, 1, 1, 1, dtype=torch.uint8))  # control: 1x1 is an image
     check_images(torch.zeros(0, 3, 8, 8, dtype=torch.uint8))  # an empty batch (an empty rank) is fine
