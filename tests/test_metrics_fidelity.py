@@ -280,15 +280,16 @@ def test_dinov2_features_equal_dgm_eval(tmp_path, size):
     ours = DinoV2Features(weights, batch_size=2)(images)
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
     # control: transformers' own interpolation (size=(16, 16)) is what dgm-eval does not do
-    import lightning_muon.metrics.features as features
+    from lightning_muon.metrics.features import IMAGENET_MEAN, IMAGENET_STD, hub_position_embeddings
+    from lightning_muon.metrics.images import normalize, pil_resize
 
-    x = features.normalize(features.pil_resize(images, 224), features.IMAGENET_MEAN, features.IMAGENET_STD)
+    x = normalize(pil_resize(images, 224), IMAGENET_MEAN, IMAGENET_STD)
     with torch.no_grad():
         plain = Dinov2Model.from_pretrained(weights).eval()(pixel_values=x).pooler_output
     assert not torch.allclose(plain, expected, rtol=1e-5, atol=1e-5)
     pos = model.embeddings.position_embeddings
     hub, hf = (
-        features.hub_position_embeddings(pos, 16, 16),
+        hub_position_embeddings(pos, 16, 16),
         model.embeddings.interpolate_pos_encoding(torch.zeros(1, 257, 32), 224, 224),
     )
     assert (hub - hf).norm() / hf.norm() > 1e-3  # the two interpolation rules differ by the 0.1-patch offset
