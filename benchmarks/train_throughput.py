@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.module import TINY_DIT, DiTModule
+from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.networks import TINY_DIT
 
 NAMES = ("adamw", "muon", "periodic_muon")
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Subset
 
 from lightning_muon.recipes.data import ImageFolder
 from lightning_muon.recipes.latents import MANIFEST, read_safetensors_header, write_latent_shard, write_manifest
-from lightning_muon.recipes.module import PromptEncoder, _load_local
+from lightning_muon.recipes.networks import PromptEncoder, load_local
 
 
 def _complete(path: Path, rows: int) -> bool:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     rows = [min(args.shard_size, num_samples - k * args.shard_size) for k in range(num_shards)]
     todo = [k for k in range(rank, num_shards, world) if not _complete(shards[k], rows[k])]
 
-    vae = _load_local(AutoencoderKL, args.vae, "--vae").to(device).eval() if todo else None
+    vae = load_local(AutoencoderKL, args.vae, "--vae").to(device).eval() if todo else None
     text = PromptEncoder(args.text_encoder, args.max_caption_length).to(device) if todo and args.text_encoder else None
     for k in tqdm(todo, desc=f"encoding (rank {rank})", unit="shard", disable=not todo):
         samples = range(k * args.shard_size, k * args.shard_size + rows[k])

@@ -42,7 +42,8 @@ from lightning_muon.metrics.evaluation import (
 )
 from lightning_muon.metrics.features import cache_dir
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.module import DiTModule, build_transformer, cast, checked_hparams
+from lightning_muon.recipes.module import DiTModule, checked_hparams
+from lightning_muon.recipes.networks import build_transformer, cast
 
 __all__ = [
     "build_parser",

@@ -29,7 +29,7 @@ import torch
 
 from lightning_muon import muon_param_groups
 from lightning_muon.parallelize import block_modules
-from lightning_muon.recipes.module import build_transformer
+from lightning_muon.recipes.networks import build_transformer
 
 #: Parameter counts of the published weights the configs point at (frozen models and metric networks).
 NOMINAL_PARAMS = {

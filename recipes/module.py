@@ -17,16 +17,20 @@ from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
 from lightning_muon.optim.config import MuonConfig, keys
+from lightning_muon.recipes.networks import (
+    TINY_DIT,
+    Architecture,
+    PlainValue,
+    PromptEncoder,
+    build_transformer,
+    cast,
+    load_local,
+)
 
-__all__ = ["OPTIMIZERS", "DiTModule", "PlainValue", "PromptEncoder", "build_transformer", "checked_hparams"]
-
-#: A value of a config mapping (``model_config``, ``param_overrides``): plain data only, so neither a YAML file nor a
-#: checkpoint's hyper-parameters can name a class for jsonargparse to import and instantiate.
-PlainValue = int | float | str | bool | None | list[int | float | str | bool | None] | list[list[float]]
+__all__ = ["OPTIMIZERS", "DiTModule", "checked_hparams"]
 
 # The choices of DiTModule's string options, as types: the CLI rejects a wrong value at parse time, naming it.
 Optimizer = Literal["adamw", "muon", "periodic_muon"]
-Architecture = Literal["dit", "pixart"]
 Objective = Literal["flow", "ddpm"]
 TimestepSampling = Literal["logit_normal", "uniform"]
 LRSchedule = Literal["cosine", "constant"]
@@ -38,80 +42,8 @@ NSNormalize = Literal["frobenius", "aol"]
 NSMethod = Literal["standard", "gram"]
 RefreshSchedule = Literal["fixed", "adaptive"]
 OPTIMIZERS = get_args(Optimizer)
-ARCHITECTURES = get_args(Architecture)
 OBJECTIVES = get_args(Objective)
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-TINY_DIT = dict(
-    num_attention_heads=4,
-    attention_head_dim=32,
-    in_channels=1,
-    num_layers=4,
-    sample_size=8,
-    patch_size=2,
-    num_embeds_ada_norm=10,
-)
-
-
-def build_transformer(architecture: str, config: dict[str, PlainValue]) -> nn.Module:
-    """A diffusers ``DiTTransformer2DModel`` (``"dit"``) or ``PixArtTransformer2DModel`` (``"pixart"``) from kwargs."""
-    from diffusers import DiTTransformer2DModel, PixArtTransformer2DModel
-
-    if architecture not in ARCHITECTURES:
-        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}.")
-    cls = DiTTransformer2DModel if architecture == "dit" else PixArtTransformer2DModel
-    model = cls(**config)
-    for m in model.modules():  # label dropout is done by DiTModule with its own generator
-        if hasattr(m, "dropout_prob"):
-            m.dropout_prob = 0.0
-    return model
-
-
-def cast(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-    """``model.to(*args, **kwargs)``, past diffusers' ``ModelMixin.to`` when the model keeps no module in float32:
-    that override warns "modules … should be kept in float32: []" on every dtype cast, even with the list empty."""
-    if getattr(model, "_keep_in_fp32_modules", None):
-        return model.to(*args, **kwargs)
-    return nn.Module.to(model, *args, **kwargs)
-
-
-def _load_local(cls: Any, path: str, argument: str) -> Any:
-    """``cls.from_pretrained(path, local_files_only=True)``; a missing directory is an error naming the argument."""
-    try:
-        return cls.from_pretrained(path, local_files_only=True)
-    except OSError as err:
-        raise FileNotFoundError(
-            f"Cannot load {cls.__name__} from {path!r} ({argument}): not a local directory nor a "
-            "cached hub id, and nothing is downloaded. Pass a directory made with "
-            "save_pretrained()."
-        ) from err
-
-
-class PromptEncoder(nn.Module):
-    """A frozen transformers text encoder (``T5EncoderModel`` for T5 checkpoints) with its tokenizer, from a local
-    directory: prompts → ``{"caption_embeds": (B, L, d), "caption_mask": (B, L)}``, padded to ``max_length``."""
-
-    def __init__(self, path: str, max_length: int = 120) -> None:
-        super().__init__()
-        from transformers import AutoConfig, AutoModel, AutoTokenizer, T5EncoderModel
-
-        config = _load_local(AutoConfig, path, "text_encoder_path")
-        encoder_cls = T5EncoderModel if config.model_type == "t5" else AutoModel
-        self.encoder = _load_local(encoder_cls, path, "text_encoder_path").eval().requires_grad_(False)
-        self.tokenizer = _load_local(AutoTokenizer, path, "text_encoder_path")
-        self.max_length = max_length
-
-    @torch.no_grad()
-    def forward(self, prompts: Sequence[str]) -> dict[str, Tensor]:
-        device = next(self.encoder.parameters()).device
-        tokens = self.tokenizer(
-            list(prompts), padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
-        ).to(device)
-        embeds = self.encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).last_hidden_state
-        return {"caption_embeds": embeds.float(), "caption_mask": tokens.attention_mask}
-
-    def train(self, mode: bool = True) -> PromptEncoder:
-        return super().train(False)  # frozen: no dropout whatever the parent does
 
 
 class DiTModule(L.LightningModule):
@@ -247,7 +179,7 @@ class DiTModule(L.LightningModule):
         if self.hparams.vae_path and "vae" not in self._frozen:
             from diffusers import AutoencoderKL
 
-            vae = _load_local(AutoencoderKL, self.hparams.vae_path, "vae_path")
+            vae = load_local(AutoencoderKL, self.hparams.vae_path, "vae_path")
             self._frozen["vae"] = vae.eval().requires_grad_(False)
         if self.hparams.text_encoder_path and "text_encoder" not in self._frozen:
             encoder = PromptEncoder(self.hparams.text_encoder_path, self.hparams.max_caption_length)

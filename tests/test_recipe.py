@@ -21,7 +21,8 @@ from lightning_muon.recipes.data import (
     write_latent_shard,
     write_manifest,
 )
-from lightning_muon.recipes.module import DiTModule, build_transformer
+from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.networks import build_transformer
 
 
 def scalars(event_dir, tag):

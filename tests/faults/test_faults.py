@@ -123,12 +123,12 @@ def load_dinov2_dir(tmp_path, marker):
 def load_vae_dir(tmp_path, marker):
     from diffusers import AutoencoderKL
 
-    from lightning_muon.recipes.module import _load_local
+    from lightning_muon.recipes.networks import load_local
 
     path = tiny_vae(tmp_path / "vae")
     (path / "diffusion_pytorch_model.safetensors").unlink()
     torch.save({"encoder.conv_in.weight": Payload(marker)}, path / "diffusion_pytorch_model.bin")
-    _load_local(AutoencoderKL, str(path), "vae_path")
+    load_local(AutoencoderKL, str(path), "vae_path")
 
 
 CHECKPOINT_LOADERS = {
