@@ -1,6 +1,6 @@
 """Fit a tiny diffusers DiT with Trainer(strategy="muon_fsdp") on CPU; rank 0 writes per-step loss and branches.
 
-Run by tests/test_strategy.py as a subprocess (Lightning re-launches the script once per extra device):
+Run by tests/core/test_strategy.py as a subprocess (Lightning re-launches the script once per extra device):
 
     python tests/scripts/fit_muon_fsdp.py --devices 2 --epochs 1 --root DIR --record out.json [--ckpt-path CKPT]
 """

@@ -148,7 +148,7 @@ def test_scale_model_byte_accounting_equals_measured_comm_stats(sharded):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).parents[1] / "benchmarks" / "scale_model.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "scale_model.py"
     spec = importlib.util.spec_from_file_location("scale_model", path)
     scale_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scale_model)

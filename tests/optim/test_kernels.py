@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from references import reference_ns
 
 from lightning_muon.optim.kernels import (
     DEFAULT_NS_COEFFICIENTS,
@@ -13,19 +14,6 @@ from lightning_muon.optim.kernels import (
     row_norm,
     shape_factor,
 )
-
-
-def reference_ns(G: torch.Tensor, coefficients, eps=1e-7) -> torch.Tensor:
-    """Keller Jordan's loop on one matrix in float64: X ← aX + bAX + cA²X, A = XXᵀ, on the wide orientation."""
-    X = G.double()
-    tall = X.shape[0] > X.shape[1]
-    if tall:
-        X = X.T
-    X = X / X.norm().clamp_min(eps)
-    for a, b, c in coefficients:
-        A = X @ X.T
-        X = a * X + b * (A @ X) + c * (A @ A @ X)
-    return X.T if tall else X
 
 
 @pytest.mark.parametrize("shape", [(16, 48), (48, 16), (32, 32), (3, 7, 20)])

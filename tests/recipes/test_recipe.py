@@ -276,7 +276,7 @@ def test_all_configs_parse_with_the_cli():
 def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
     """The default recipe on 2 CPU ranks with muon_fsdp: distributed sampling, sharded evaluation, DCP checkpoints,
     communication counted by the telemetry."""
-    override = Path(__file__).parent / "scripts" / "muon_fsdp_two_devices.yaml"
+    override = Path(__file__).parents[1] / "scripts" / "muon_fsdp_two_devices.yaml"
     cmd = [
         sys.executable,
         "-m",

@@ -3,6 +3,7 @@ independent float64 references, their FLOP counts against counted matmuls, and t
 
 import pytest
 import torch
+from references import reference_ns as reference
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_muon import PeriodicRowwiseMuon
@@ -15,22 +16,6 @@ from lightning_muon.optim.kernels import (
 )
 
 F64 = torch.float64
-
-
-def reference(G, coefficients, safety=1.0, aol=False, eps=1e-7):
-    """Textbook loop on one matrix in float64 (modded-nanogpt's Polar Express form; AOL as in Turbo-Muon, unfused):
-    wide orientation, X / max(s·‖X‖_F, eps), optional X ← diag(Σ_j |XXᵀ|_ij)^(-1/2) X / s, then
-    X ← aX + (bA + cA²)X with A = XXᵀ recomputed every iteration."""
-    X = G.double()
-    tall = X.shape[0] > X.shape[1]
-    X = X.T if tall else X
-    X = X / (safety * X.norm()).clamp_min(eps)
-    if aol:
-        X = X / (X @ X.T).abs().sum(1).clamp_min(eps).sqrt()[:, None] / safety
-    for a, b, c in coefficients:
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if tall else X
 
 
 def ill_conditioned(m, n, cond, seed=0):

@@ -13,7 +13,7 @@ from helpers import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).parent / "scripts" / "fit_muon_fsdp.py"
+SCRIPT = Path(__file__).parents[1] / "scripts" / "fit_muon_fsdp.py"
 
 
 def fit(tmp_path, name, devices, epochs, ckpt=None, extra=(), check=True):
@@ -114,7 +114,7 @@ def test_a_users_torch_adamw_under_muon_fsdp_equals_lightnings_model_parallel(tm
 
 def test_fit_validate_test_predict_in_one_process(tmp_path):
     """The process group outlives each call (Lightning owns it); every call ends cleanly, exit code 0."""
-    script = Path(__file__).parent / "scripts" / "lifecycle_muon_fsdp.py"
+    script = Path(__file__).parents[1] / "scripts" / "lifecycle_muon_fsdp.py"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # the columns the study must write, spelled out here (importing the script's list would let it drift unnoticed)
 REQUIRED = [
     "config",
