@@ -21,7 +21,7 @@ class EMA(Callback):
     unchanged weights. Works on DTensor shards: each rank averages its own shard, no communication.
 
     Lightning's ``EMAWeightAveraging`` does not work under ``muon_fsdp`` (measured with Lightning 2.6, test in
-    ``tests/test_strategy.py``): it deep-copies the module in ``setup``, before the strategy shards it, so every
+    ``tests/core/test_strategy.py``): it deep-copies the module in ``setup``, before the strategy shards it, so every
     rank holds a full unsharded copy, and its first update copies the DTensor shards into those plain tensors
     (``RuntimeError: aten.copy_.default got mixed torch.Tensor and DTensor``). It also swaps the average into the
     trained model for validation and copies it over the trained weights at the end of training.
