@@ -238,7 +238,7 @@ class PeriodicRowwiseMuon(Optimizer):
         works = [self._plan(group) for group in self.param_groups]
         items = [it for w in works for it in self._refresh_items(w)]
         sharded = [it for it in items if it.shard.sharded]
-        ok, flag = self._statistics(works, rides_refresh=bool(sharded))
+        ok, flag = self._statistics(works, flag_rides_refresh=bool(sharded))
         if self.nonfinite == "raise" and ok is not None and not bool(ok):
             raise NonFiniteGradient(culprit(self._named_grads(works)))
         self.last_ns_flops = 0
@@ -293,7 +293,7 @@ class PeriodicRowwiseMuon(Optimizer):
                 work.rownorm.append(_RowNorm(i, split, split or (schedule.measures_drift and shard.sharded)))
         return work
 
-    def _statistics(self, works: list[_Work], rides_refresh: bool) -> tuple[Tensor | None, Tensor | None]:
+    def _statistics(self, works: list[_Work], flag_rides_refresh: bool) -> tuple[Tensor | None, Tensor | None]:
         """Row statistics of every RowNorm matrix, completed across ranks, and the step's verdict.
 
         Returns ``(ok, flag)``: the verdict shared by all ranks (None: unchecked, or ``flag`` — this rank's — rides
@@ -304,7 +304,7 @@ class PeriodicRowwiseMuon(Optimizer):
         matrices = [(w, r) for w in works for r in w.rownorm]
         group = next((mesh_group(p) for w in works for p in w.params if mesh_group(p) is not None), None)
         crossing = any(r.crosses_ranks for _, r in matrices)
-        reduce = group is not None and (crossing or (checking and not rides_refresh))
+        reduce = group is not None and (crossing or (checking and not flag_rides_refresh))
         overlap = reduce and not checking
         for w, r in matrices:
             if not overlap or r.crosses_ranks:

@@ -75,7 +75,7 @@ def write_refresh(
             scale_(weights, decay, ok)
         if isinstance(scale, Tensor):
             torch._foreach_add_(weights, [orthos[j].float() * scale for j in index])
-        else:  # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is ~6x slower)
+        else:  # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is slower)
             torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
 
 
