@@ -2,8 +2,8 @@
 test guards moves it: the README's metric table, as a table and JSON.
 
 Same random-init weights (the real architectures' geometry) and the same uint8 images at 64, 256 and 512 px as
-``tests/metrics/test_metrics_fidelity.py``, whose reference recipes (torch-fidelity and clean-fid called directly; dgm-eval,
-google-research/cmmd and hpsv2 re-typed from their sources) this script reuses.
+``tests/metrics/test_metrics_fidelity.py``, whose reference recipes (torch-fidelity and clean-fid called directly;
+dgm-eval, google-research/cmmd and hpsv2 re-typed from their sources) this script reuses.
 
     python benchmarks/metric_fidelity.py
 """

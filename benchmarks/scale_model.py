@@ -4,9 +4,9 @@ at 8–256 H100s for every shipped config, gather vs owner (scatter) refresh.
 No GPU cluster is at hand, so the inputs are: the real parameter shapes of each config (meta device), the NS5
 FLOPs per matrix (``ns_flops``), and the bytes and collectives per rank that ``comm_stats()`` counts — computed here
 by :func:`comm_per_rank` with the optimizer's own bucketing and owner assignment, and checked against measured
-``comm_stats()`` at 2 and 3 gloo ranks by ``tests/optim/test_distributed_optimizer.py``. Hardware (flags): H100 SXM bf16 dense
-989 TFLOP/s at ``--mfu`` for NS5, HBM 3.35 TB/s at 80 % for elementwise passes, NVLink 450 GB/s per direction within a
-node of 8, InfiniBand 50 GB/s per GPU (400 Gb/s NDR) across nodes, collective latency α per hop.
+``comm_stats()`` at 2 and 3 gloo ranks by ``tests/optim/test_distributed_optimizer.py``. Hardware (flags): H100 SXM
+bf16 dense 989 TFLOP/s at ``--mfu`` for NS5, HBM 3.35 TB/s at 80 % for elementwise passes, NVLink 450 GB/s per
+direction within a node of 8, InfiniBand 50 GB/s per GPU (400 Gb/s NDR) across nodes, collective latency α per hop.
 
 Per rank and step: refresh = max(NS5 compute, refresh traffic) + one bucket's traffic (the pipeline's fill) +
 elementwise passes; RowNorm = elementwise passes + one small all-reduce (2·log2(W)·α) when rows are split.
