@@ -1,4 +1,5 @@
-"""Optimizer-step time on DiT block matrices: AdamW, torch.optim.Muon, PeriodicRowwiseMuon K=1 and K=3.
+"""Optimizer-step time on DiT block matrices: AdamW, torch.optim.Muon, PeriodicRowwiseMuon K=1 and K=3 (fixed and
+auto γ).
 
 Implementations run round-robin in one process (one step each per round) so machine noise hits all of them alike.
 Periodic times are averaged over whole periods. Prints a table with ratios and writes JSON.
@@ -46,6 +47,10 @@ def optimizers(shapes, ns_dtype: torch.dtype) -> dict[str, tuple[torch.optim.Opt
         "torch.optim.Muon (bf16)": (torch.optim.Muon(make_params(shapes), **kw), 1),
         "periodic K=1": (PeriodicRowwiseMuon(make_params(shapes), period=1, ns_dtype=ns_dtype, **kw), 1),
         "periodic K=3": (PeriodicRowwiseMuon(make_params(shapes), period=3, ns_dtype=ns_dtype, **kw), 3),
+        "periodic K=3 auto-γ": (
+            PeriodicRowwiseMuon(make_params(shapes), period=3, rownorm_scale="auto", ns_dtype=ns_dtype, **kw),
+            3,
+        ),
         "periodic K=3 fused": (
             PeriodicRowwiseMuon(make_params(shapes), period=3, ns_dtype=ns_dtype, fused=True, **kw),
             3,
@@ -97,6 +102,7 @@ def main() -> None:
         "periodic K=1 <= 1.0 x torch.optim.Muon": k1 / base_muon <= 1.0,
         "periodic K=3 <= 0.40 x periodic K=1": med["periodic K=3"] / k1 <= 0.40,
         "periodic K=3 fused <= 0.40 x periodic K=1": med["periodic K=3 fused"] / k1 <= 0.40,
+        "periodic K=3 auto-γ <= 1.05 x periodic K=3": med["periodic K=3 auto-γ"] / med["periodic K=3"] <= 1.05,
     }
     for name, ok in targets.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")

@@ -41,6 +41,7 @@ NSDtype = Literal["bfloat16", "float32", "float64"]
 NSNormalize = Literal["frobenius", "aol"]
 NSMethod = Literal["standard", "gram"]
 RefreshSchedule = Literal["fixed", "adaptive"]
+AutoScale = Literal["auto", "auto_rms"]
 OPTIMIZERS = get_args(Optimizer)
 OBJECTIVES = get_args(Objective)
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -62,7 +63,8 @@ class DiTModule(L.LightningModule):
         timestep_sampling: ``"logit_normal"`` or ``"uniform"`` (flow only).
         optimizer: ``"adamw"``, ``"muon"`` (K=1) or ``"periodic_muon"``.
         lr: Muon lr (``adjust_lr`` scale). adamw_lr: lr of AdamW parameters (all of them for ``"adamw"``).
-        weight_decay / betas / momentum / period / rownorm_scale / adjust_lr / ns_dtype: optimizer options.
+        weight_decay / betas / momentum / period / rownorm_scale / auto_scale_multiplier / adjust_lr / ns_dtype:
+            optimizer options (``rownorm_scale="auto"``: a γ each matrix calibrates at its refreshes).
         ns_steps / ns_coefficients / ns_normalize / ns_method: how refreshes orthogonalize (optimizer options: the
             default is torch.optim.Muon's NS5; Turbo-Muon is ``ns_coefficients="turbo_muon"``,
             ``ns_normalize="aol"``, ``ns_steps=4``; ``ns_method="gram"`` cuts FLOPs on rectangular matrices).
@@ -104,7 +106,8 @@ class DiTModule(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
         momentum: float = 0.95,
         period: int = 3,
-        rownorm_scale: float = 0.15,
+        rownorm_scale: float | AutoScale = 0.15,
+        auto_scale_multiplier: float = 1.0,
         adjust_lr: AdjustLR = "original",
         ns_dtype: NSDtype | None = None,
         ns_steps: int = 5,

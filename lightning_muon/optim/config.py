@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_muon.optim.kernels import (
     ADJUST_LR_CHOICES,
+    AUTO_SCALES,
     DEFAULT_NS_COEFFICIENTS,
     Coefficients,
     Orthogonalizer,
@@ -37,6 +38,8 @@ __all__ = [
 
 NONFINITE_MODES = ("skip", "raise", "ignore")
 SCHEDULES = ("fixed", "adaptive")
+#: per-matrix state whose shape is not the parameter's (the others, moments and buffers, are shaped like it)
+STATE_SHAPES = {"refresh_scales": (2,)}
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -50,7 +53,11 @@ class MuonConfig:
         nesterov: use the Nesterov look-ahead :math:`N_t = \beta M_t + (1-\beta) G_t`.
         weight_decay: decoupled weight decay :math:`\lambda`.
         period: :math:`K`, steps between NS5 refreshes (1 = vanilla Muon).
-        rownorm_scale: :math:`\gamma`, the RowNorm step relative to the NS5 step.
+        rownorm_scale: :math:`\gamma`, the RowNorm step relative to the NS5 step; or ``"auto"`` / ``"auto_rms"``:
+            each matrix calibrates its own γ at every refresh, descent- or RMS-matched to that refresh's NS5 step
+            (:func:`~lightning_muon.optim.kernels.refresh_scales`), times ``auto_scale_multiplier``, and keeps it
+            (in its state) until its next refresh.
+        auto_scale_multiplier: the tunable factor on a calibrated γ.
         ns_steps: Newton–Schulz iterations.
         ns_coefficients: one (a, b, c), a sequence of ``ns_steps`` triples, or a schedule name: ``"jordan"`` (the
             default triple), ``"polar_express"`` or ``"turbo_muon"`` (Polar Express without its first triple, for
@@ -71,7 +78,7 @@ class MuonConfig:
     nesterov: bool = True
     weight_decay: float = 0.0
     period: int = 3
-    rownorm_scale: float = 0.15
+    rownorm_scale: float | str = 0.15
     ns_steps: int = 5
     ns_coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS
     ns_dtype: str | torch.dtype | None = None
@@ -83,6 +90,7 @@ class MuonConfig:
     drift_threshold: float = 0.05
     min_period: int = 1
     max_period: int | None = None
+    auto_scale_multiplier: float = 1.0
 
     #: keys every saved Muon group has had (the others take their defaults when an older state dict is loaded)
     REQUIRED: ClassVar[tuple[str, ...]] = (
@@ -90,7 +98,12 @@ class MuonConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        _check_nonnegative(self, "lr", "weight_decay", "rownorm_scale", "ns_eps")
+        if isinstance(self.rownorm_scale, str) and self.rownorm_scale not in AUTO_SCALES:
+            raise ValueError(
+                f"rownorm_scale must be a number >= 0 or one of {sorted(AUTO_SCALES)}, got {self.rownorm_scale!r}."
+            )
+        numbers = ("lr", "weight_decay", "ns_eps", "auto_scale_multiplier")
+        _check_nonnegative(self, *numbers, *(() if isinstance(self.rownorm_scale, str) else ("rownorm_scale",)))
         if not self.ns_eps > 0:
             raise ValueError(f"ns_eps must be > 0 (NS5 and RowNorm of a zero matrix stay finite), got {self.ns_eps}.")
         if not 0.0 <= self.momentum < 1.0:
@@ -291,10 +304,11 @@ def check_layout(state_dict: dict[str, Any], param_groups: list[dict[str, Any]])
             for key, value in state_dict.get("state", {}).get(index, {}).items():
                 if not isinstance(value, Tensor):
                     continue
-                if value.ndim > 0 and value.shape != param.shape:
+                want = STATE_SHAPES.get(key, tuple(param.shape))
+                if value.ndim > 0 and tuple(value.shape) != want:
                     raise ValueError(
                         f"Saved state {key!r} of {param_name(group, i)} has shape {tuple(value.shape)}, "
-                        f"the parameter has shape {tuple(param.shape)}. " + hint
+                        f"expected {want} (the parameter has shape {tuple(param.shape)}). " + hint
                     )
                 if value.is_floating_point() and not bool(torch.isfinite(local(value)).all()):
                     raise ValueError(

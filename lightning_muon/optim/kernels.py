@@ -21,6 +21,7 @@ __all__ = [
     "make_orthogonalizer",
     "newton_schulz",
     "orthogonalize_batched",
+    "refresh_scales",
     "ns_flops",
     "resolve_ns_coefficients",
     "row_norm",
@@ -324,6 +325,31 @@ def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim
     N = lookahead(M, G, beta, nesterov, updated=False)
     dot, rr = (N * R).sum(dim=dim, keepdim=True), R.square().sum(dim=dim, keepdim=True)
     return N.square_().sum(dim=dim, keepdim=True), dot, rr
+
+
+#: ``rownorm_scale`` values that calibrate γ per matrix at every refresh (:func:`refresh_scales`)
+AUTO_SCALES = {"auto": 0, "auto_rms": 1}
+
+
+def refresh_scales(N: Tensor, U: Tensor, eps: float = 1e-7) -> Tensor:
+    r"""The γ that makes a RowNorm step comparable to this refresh's NS5 step, two ways, from the full look-ahead
+    ``N`` and its orthogonalization ``U = NS5(N)`` (float32, ``(2,)``):
+
+    - descent-matched (``rownorm_scale="auto"``): :math:`\langle N, U\rangle / \sum_i \lVert n_i \rVert`. The
+      polar factor maximizes :math:`\langle X, N\rangle` over :math:`\lVert X\rVert_2 \le 1` (value
+      :math:`\lVert N\rVert_*`), RowNorm over unit oriented rows (value :math:`\sum_i \lVert n_i\rVert`): with this
+      γ a RowNorm step of the same momentum descends as far to first order as the NS5 step did.
+    - RMS-matched (``"auto_rms"``): :math:`\lVert U\rVert_F / \sqrt{p}`, :math:`p = \min(m, n)` (RowNorm's
+      output has Frobenius norm exactly :math:`\sqrt p`).
+
+    Their inverses are the RowNorm-to-spectral ratios ``OptimizerTelemetry`` logs. Sums, so a matrix rebuilt from
+    shards gives the same value as the dense one.
+    """
+    n, u = N.float(), U.float()
+    rows = torch.linalg.vector_norm(n, dim=row_norm_dim(n.shape)).sum()
+    descent = (n * u).sum() / rows.clamp_min(eps)
+    rms = torch.linalg.vector_norm(u) / math.sqrt(min(n.shape))
+    return torch.stack([descent, rms])
 
 
 def masked_scalar(ok: Tensor, value: float | Tensor, identity: float, like: Tensor) -> Tensor:

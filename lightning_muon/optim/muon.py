@@ -41,7 +41,7 @@ from lightning_muon.optim.kernels import (
     shape_factor,
 )
 from lightning_muon.optim.nonfinite import NonFiniteGradient, culprit, flags_ok, local_flag
-from lightning_muon.optim.refresh import RefreshItem, local_refresh, write_refresh
+from lightning_muon.optim.refresh import RefreshItem, local_refresh, refresh_scales_of, rownorm_gamma, write_refresh
 from lightning_muon.optim.schedules import HOST_STATE, AdaptiveSchedule, FixedSchedule, refresh_counts
 from lightning_muon.optim.shards import RowShard, local, mesh_group, row_shard
 from lightning_muon.optim.transport import CommStats, gather_refresh, owned_flops, scatter_refresh, start_all_reduce
@@ -115,8 +115,7 @@ class PeriodicRowwiseMuon(Optimizer):
         params: parameters or param groups (e.g. from :func:`lightning_muon.muon_param_groups`); a group's
             ``use_muon`` (default ``True``) picks the branch. Named parameters ``(name, tensor)`` give errors names.
         lr, momentum, nesterov, weight_decay, period, rownorm_scale, ns_*, adjust_lr, schedule, drift_threshold,
-            min_period, max_period: defaults of Muon groups, documented in
-            :class:`~lightning_muon.optim.config.MuonConfig`.
+            min_period, max_period, auto_scale_multiplier: Muon group defaults (:class:`~.config.MuonConfig`).
         adamw_lr / adamw_weight_decay: defaults of AdamW groups (``None``: ``lr`` / ``weight_decay``); betas, eps:
             :class:`~lightning_muon.optim.config.AdamWConfig`.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (above).
@@ -132,6 +131,7 @@ class PeriodicRowwiseMuon(Optimizer):
         last_branches: how many matrices took each branch in the last step, ``{"refresh": int, "rownorm": int}``.
         nonfinite_steps_skipped: steps skipped for non-finite gradients (``nonfinite="skip"``; reading syncs).
         last_ns_flops: NS5 FLOPs this rank ran in the last step.
+        measure_scales: also measure the γ candidates of fixed-γ groups at refreshes (``OptimizerTelemetry`` sets it).
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class PeriodicRowwiseMuon(Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
         lr: float | Tensor = 0.02,
         period: int = 3,
-        rownorm_scale: float = 0.15,
+        rownorm_scale: float | str = 0.15,
         momentum: float = 0.95,
         nesterov: bool = True,
         weight_decay: float = 0.0,
@@ -154,6 +154,7 @@ class PeriodicRowwiseMuon(Optimizer):
         drift_threshold: float = 0.05,
         min_period: int = 1,
         max_period: int | None = None,
+        auto_scale_multiplier: float = 1.0,
         adamw_lr: float | Tensor | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
@@ -176,7 +177,8 @@ class PeriodicRowwiseMuon(Optimizer):
         if state:
             super().__setstate__(state)
         runtime = dict(nonfinite="skip", foreach=True, fused=False, refresh_mode="scatter", bucket_mb=64.0,
-                       _skipped=None, last_branches={"refresh": 0, "rownorm": 0}, last_ns_flops=0, _comm=CommStats(),
+                       measure_scales=False, _skipped=None, last_branches={"refresh": 0, "rownorm": 0},
+                       last_ns_flops=0, _comm=CommStats(),
                        _schedules={"fixed": FixedSchedule(), "adaptive": AdaptiveSchedule()})  # fmt: skip
         for key, value in runtime.items():
             self.__dict__.setdefault(key, value)
@@ -218,13 +220,11 @@ class PeriodicRowwiseMuon(Optimizer):
         return 0 if self._skipped is None else int(self._skipped)
 
     def refresh_counts(self) -> dict[str, int]:
-        """Refreshes so far: ``"group<i>"`` the total over the matrices of Muon group i, and every matrix by name
-        (adaptive groups: its own counter; fixed: the refresh steps of its group). Host values: no synchronization."""
+        """Refreshes so far per Muon group and per matrix (:func:`~lightning_muon.optim.schedules.refresh_counts`)."""
         return refresh_counts(self.param_groups, self.state)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes sent / received and collectives issued by this rank per branch (``"refresh"``, ``"rownorm"``)
-        since the last call. The per-step all-reduce counts under ``"rownorm"`` when any matrix took RowNorm."""
+        """Bytes sent / received and collectives of this rank per branch since the last call (:class:`CommStats`)."""
         return self._comm.pop()
 
     # ---------------------------------------------------------------------------------------------------- step
@@ -240,14 +240,12 @@ class PeriodicRowwiseMuon(Optimizer):
         sharded = [it for it in items if it.shard.sharded]
         ok, flag = self._statistics(works, flag_rides_refresh=bool(sharded))
         if self.nonfinite == "raise" and ok is not None and not bool(ok):
-            raise NonFiniteGradient(culprit(self._named_grads(works)))
+            raise NonFiniteGradient(culprit(_named_grads(works)))
         self.last_ns_flops = 0
-        if sharded:
-            ok = self._sharded_refresh(works, sharded, ok, flag)
+        ok = self._sharded_refresh(works, sharded, ok, flag) if sharded else ok
         ok = ok if self.nonfinite == "skip" else None  # "raise" got here only with a True verdict
         local_items = [it for it in items if not it.shard.sharded]
-        if local_items:
-            self.last_ns_flops += local_refresh(local_items, int(self.bucket_mb * 2**20), ok)
+        self.last_ns_flops += local_refresh(local_items, int(self.bucket_mb * 2**20), ok) if local_items else 0
         self.last_branches = {"refresh": len(items), "rownorm": sum(len(w.rownorm) for w in works)}
         for work in (w for w in works if w.params):
             if work.schedule is not None:
@@ -343,11 +341,13 @@ class PeriodicRowwiseMuon(Optimizer):
         transport = gather_refresh if self.refresh_mode == "gather" else scatter_refresh
         bucket_bytes, raising = int(self.bucket_mb * 2**20), self.nonfinite == "raise"
         try:
-            for bucket, m_news, orthos, verdict in transport(items, bucket_bytes, self._comm, ok, flag, raising):
-                write_refresh(bucket, m_news, orthos, verdict)
+            for bucket, m_news, orthos, verdict, scales in transport(
+                items, bucket_bytes, self._comm, ok, flag, raising
+            ):
+                write_refresh(bucket, m_news, orthos, verdict, scales)
                 ok = verdict
         except NonFiniteGradient:
-            raise NonFiniteGradient(culprit(self._named_grads(works))) from None
+            raise NonFiniteGradient(culprit(_named_grads(works))) from None
         shard = items[0].shard
         self.last_ns_flops += (
             owned_flops(items, shard.world, shard.rank)
@@ -361,12 +361,14 @@ class PeriodicRowwiseMuon(Optimizer):
             return []
         group = work.group
         ortho = orthogonalizer(group, work.weights[0].device)
+        measured = self.measure_scales or isinstance(group["rownorm_scale"], str)
         items = []
         for i in work.refresh:
             decay, scale = _scales(group, work.shards[i].shape)
-            buf = local(work.states[i]["momentum_buffer"])
+            buf, state = local(work.states[i]["momentum_buffer"]), work.states[i]
+            scales = refresh_scales_of(state, work.weights[i]) if measured else None
             items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
-                                     group["nesterov"], decay, scale, ortho))  # fmt: skip
+                                     group["nesterov"], decay, scale, ortho, scales))  # fmt: skip
         return items
 
     def _rownorm(self, work: _Work, ok: Tensor | None) -> None:
@@ -375,12 +377,14 @@ class PeriodicRowwiseMuon(Optimizer):
         group = work.group
         for r in work.rownorm:
             decay, scale = _scales(group, work.shards[r.index].shape)
-            buf = local(work.states[r.index]["momentum_buffer"])
-            update(work.weights[r.index], buf, work.grads[r.index], r.sumsq, group["momentum"], group["nesterov"],
-                   decay, scale * group["rownorm_scale"], group["ns_eps"], ok)  # fmt: skip
+            state, weight = work.states[r.index], work.weights[r.index]
+            gamma = rownorm_gamma(group, state, weight)
+            update(weight, local(state["momentum_buffer"]), work.grads[r.index], r.sumsq, group["momentum"],
+                   group["nesterov"], decay, scale * gamma, group["ns_eps"], ok)  # fmt: skip
 
-    def _named_grads(self, works: list[_Work]) -> list[tuple[str, Tensor]]:
-        return [(param_name(w.group, i), g) for w in works for i, g in zip(w.indices, w.grads)]
+
+def _named_grads(works: list[_Work]) -> list[tuple[str, Tensor]]:
+    return [(param_name(w.group, i), g) for w in works for i, g in zip(w.indices, w.grads)]
 
 
 def _scales(group: dict[str, Any], shape: tuple[int, int]) -> tuple[float | Tensor, float | Tensor]:

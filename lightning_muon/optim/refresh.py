@@ -15,10 +15,25 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_muon.optim.kernels import Orthogonalizer, lookahead, orthogonalize_batched, scale_
+from lightning_muon.optim.kernels import (
+    AUTO_SCALES,
+    Orthogonalizer,
+    lookahead,
+    orthogonalize_batched,
+    refresh_scales,
+    scale_,
+)
 from lightning_muon.optim.shards import RowShard, bucket_indices
 
-__all__ = ["RefreshItem", "buckets", "local_refresh", "write_refresh"]
+__all__ = [
+    "RefreshItem",
+    "buckets",
+    "local_refresh",
+    "measure",
+    "refresh_scales_of",
+    "rownorm_gamma",
+    "write_refresh",
+]
 
 
 @dataclass
@@ -34,6 +49,7 @@ class RefreshItem:
     decay: float | Tensor
     scale: float | Tensor
     ortho: Orthogonalizer  # matrices with equal orthogonalizers and shapes are batched
+    scales: Tensor | None = None  # where this refresh's γ candidates go (refresh_scales), None: not measured
 
     @property
     def dtype(self) -> torch.dtype:
@@ -49,15 +65,39 @@ class RefreshItem:
         return m_new, lookahead(m_new, self.grad, self.beta, self.nesterov, updated=True)
 
 
+def refresh_scales_of(state: dict, weight: Tensor) -> Tensor:
+    """A matrix's γ candidates measured at its last refresh (``state["refresh_scales"]``, float32 ``(2,)``); zeros
+    before any (a RowNorm step under ``rownorm_scale="auto"`` then moves nothing: every schedule refreshes first)."""
+    if "refresh_scales" not in state:
+        state["refresh_scales"] = torch.zeros(2, dtype=torch.float32, device=weight.device)
+    return state["refresh_scales"]
+
+
+def rownorm_gamma(group: dict, state: dict, weight: Tensor) -> float | Tensor:
+    """The γ of a matrix's RowNorm step: the group's number, or its calibrated γ (a 0-d device tensor)."""
+    gamma = group["rownorm_scale"]
+    if isinstance(gamma, str):
+        return refresh_scales_of(state, weight)[AUTO_SCALES[gamma]] * group["auto_scale_multiplier"]
+    return gamma
+
+
 def buckets(items: Sequence[RefreshItem], bucket_bytes: int) -> list[list[int]]:
     return bucket_indices([it.shard for it in items], [it.dtype for it in items], bucket_bytes)
 
 
 def write_refresh(
-    items: Sequence[RefreshItem], m_news: Sequence[Tensor], orthos: Sequence[Tensor], ok: Tensor | None
+    items: Sequence[RefreshItem],
+    m_news: Sequence[Tensor],
+    orthos: Sequence[Tensor],
+    ok: Tensor | None,
+    scales: Sequence[Tensor | None] = (),
 ) -> None:
-    """Write momentum and weights of ``items`` from their local orthogonalized rows; with a device verdict ``ok``
-    (False: a non-finite gradient somewhere) every write is the identity, without a host synchronization."""
+    """Write momentum and weights of ``items`` from their local orthogonalized rows, and the measured γ candidates
+    of those that measure them; with a device verdict ``ok`` (False: a non-finite gradient somewhere) every write is
+    the identity, without a host synchronization."""
+    for it, value in zip(items, scales):
+        if it.scales is not None:
+            it.scales.copy_(value if ok is None else torch.where(ok, value, it.scales))
     if ok is not None:
         m_news = [torch.where(ok, m, it.momentum) for it, m in zip(items, m_news)]
         orthos = [torch.where(ok, o, 0) for o in orthos]
@@ -79,10 +119,19 @@ def write_refresh(
             torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
 
 
+def measure(items: Sequence[RefreshItem], ns: Sequence[Tensor], orthos: Sequence[Tensor]) -> list[Tensor | None]:
+    """:func:`refresh_scales` of the full matrices whose item measures them (N in the NS dtype, as it travels)."""
+    return [
+        refresh_scales(n.to(it.dtype), o, it.ortho.eps) if it.scales is not None else None
+        for it, n, o in zip(items, ns, orthos)
+    ]
+
+
 def local_refresh(items: Sequence[RefreshItem], bucket_bytes: int, ok: Tensor | None) -> int:
     """Unsharded matrices: bucket by bucket, look-ahead, NS5, write. Returns the NS5 FLOPs."""
     for index in buckets(items, bucket_bytes):
         bucket = [items[i] for i in index]
         m_news, ns = zip(*(it.lookahead() for it in bucket))
-        write_refresh(bucket, m_news, orthogonalize_batched(ns, [it.ortho for it in bucket]), ok)
+        orthos = orthogonalize_batched(ns, [it.ortho for it in bucket])
+        write_refresh(bucket, m_news, orthos, ok, measure(bucket, ns, orthos))
     return sum(it.flops for it in items)

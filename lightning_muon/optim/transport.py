@@ -32,22 +32,24 @@ from torch import Tensor
 
 from lightning_muon.optim.kernels import orthogonalize_batched
 from lightning_muon.optim.nonfinite import NonFiniteGradient, flags_ok
-from lightning_muon.optim.refresh import RefreshItem, buckets
+from lightning_muon.optim.refresh import RefreshItem, buckets, measure
 from lightning_muon.optim.shards import assign_owners
 
 __all__ = ["CommStats", "gather_refresh", "scatter_refresh", "start_all_reduce"]
 
 BRANCHES = ("refresh", "rownorm")
-#: what a refresh transport yields per bucket: the items, their new momenta, their local orthogonalized rows, and
-#: the step's verdict (None: unchecked)
-Bucket = tuple[list[RefreshItem], list[Tensor], list[Tensor], Tensor | None]
+#: what a refresh transport yields per bucket: the items, their new momenta, their local orthogonalized rows, the
+#: step's verdict (None: unchecked), and the γ candidates of the items that measure them (else None)
+Bucket = tuple[list[RefreshItem], list[Tensor], list[Tensor], Tensor | None, list[Tensor | None]]
+SCALES = 2  # elements of refresh_scales
 
 
 class CommStats:
     """Bytes and collectives of this rank per branch, counted where each collective is issued.
 
     An all-reduce counts its buffer as sent and as received; an all-gather sends the local block and receives the
-    blocks of the other ranks; an all-to-all sends and receives what crosses to or from other ranks.
+    blocks of the other ranks; an all-to-all sends and receives what crosses to or from other ranks. The per-step
+    all-reduce counts under ``"rownorm"`` when any matrix took RowNorm, else under ``"refresh"``.
     """
 
     def __init__(self) -> None:
@@ -153,7 +155,8 @@ def gather_refresh(
             full.append(recv[:, offset : offset + size].reshape(world * it.shard.chunk, n)[:m])
             offset += size
         orthos = orthogonalize_batched(full, [it.ortho for it in bucket])
-        yield bucket, m_news, [o[slice(*it.shard.rows(it.shard.rank))] for it, o in zip(bucket, orthos)], ok
+        rows = [o[slice(*it.shard.rows(it.shard.rank))] for it, o in zip(bucket, orthos)]
+        yield bucket, m_news, rows, ok, measure(bucket, full, orthos)
         del full, orthos, recv  # no full matrix outlives its bucket
 
 
@@ -209,23 +212,35 @@ def scatter_refresh(
             torch.cat([pieces[src][k] for src in range(world)]).view(bucket[j].shard.shape) for k, j in enumerate(mine)
         ]
         orthos = orthogonalize_batched(full, [bucket[j].ortho for j in mine]) if full else []
+        scales = [s for s in measure([bucket[j] for j in mine], full, orthos) if s is not None]
         if ok is not None:
             orthos = [torch.where(ok, o, 0) for o in orthos]  # finite whatever the inputs: nothing NaN travels
-        back = [[o[slice(*bucket[j].shard.rows(dst))] for j, o in zip(mine, orthos)] for dst in range(world)]
-        sizes = [sum(bucket[j].shard.numel(rank) for j in owned_by[src]) for src in range(world)]
-        work, recv, recv_sizes = exchange(back, sizes, sent["recv"].dtype, sent["recv"].device)
+            scales = [torch.where(ok, s, 0) for s in scales]
+        dtype = sent["recv"].dtype
+        scales = [s.view(dtype) for s in scales]  # float32 bits in the wire dtype's elements: exact
+        back = [[o[slice(*bucket[j].shard.rows(dst))] for j, o in zip(mine, orthos)] + scales for dst in range(world)]
+        sizes = [
+            sum(bucket[j].shard.numel(rank) + _wire(dtype) * (bucket[j].scales is not None) for j in owned_by[src])
+            for src in range(world)
+        ]
+        work, recv, recv_sizes = exchange(back, sizes, dtype, sent["recv"].device)
         return dict(sent, work=work, recv=recv, sizes=recv_sizes)
 
     def received(back: dict) -> Bucket:
         back["work"].wait()
         bucket, owned_by = back["bucket"], back["owned_by"]
         orthos: list[Tensor | None] = [None] * len(bucket)
+        scales: list[Tensor | None] = [None] * len(bucket)
         for src, block in enumerate(back["recv"].split(back["sizes"])):
             js = owned_by[src]
-            for j, piece in zip(js, block.split([bucket[j].shard.numel(rank) for j in js])):
+            measured = [j for j in js if bucket[j].scales is not None]
+            pieces = block.split([bucket[j].shard.numel(rank) for j in js] + [_wire(block.dtype)] * len(measured))
+            for j, piece in zip(js, pieces):
                 start, end = bucket[j].shard.rows(rank)
                 orthos[j] = piece.view(end - start, bucket[j].shard.shape[1])
-        return bucket, back["m_news"], orthos, ok
+            for j, piece in zip(measured, pieces[len(js) :]):
+                scales[j] = piece.clone().view(torch.float32)  # a fresh, aligned buffer
+        return bucket, back["m_news"], orthos, ok, scales
 
     index_of = buckets(items, bucket_bytes)
     sent = to_owners(index_of[0], flag is not None)
@@ -242,6 +257,11 @@ def scatter_refresh(
             yield received(returning)
         returning, sent = back, following
     yield received(returning)
+
+
+def _wire(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` that carry the float32 γ candidates of one matrix bit for bit."""
+    return SCALES * 4 // dtype.itemsize
 
 
 def owned_flops(items: Sequence[RefreshItem], world: int, rank: int) -> int:

@@ -13,6 +13,7 @@ from dist_workers import (
 from helpers import run_distributed
 
 from lightning_muon.optim.kernels import make_orthogonalizer, ns_flops
+from lightning_muon.optim.shards import assign_owners
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +24,11 @@ CASES = [
     (3, "scatter", torch.float32),
     (3, "gather", torch.bfloat16),
     (3, "scatter", torch.bfloat16),
+    (3, "gather", torch.float32, {"rownorm_scale": "auto"}),
+    (3, "scatter", torch.float32, {"rownorm_scale": "auto"}),
+    (3, "scatter", torch.bfloat16, {"rownorm_scale": "auto_rms", "auto_scale_multiplier": 0.5}),
 ]
+AUTO = {"rownorm_scale": "auto"}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
@@ -31,18 +36,27 @@ def sharded(request):
     return request.param, run_distributed(sharded_run, request.param, SHAPES, CASES)
 
 
-@pytest.mark.parametrize(
-    "case", range(len(CASES)), ids=lambda i: "K{}-{}-{}".format(*CASES[i][:2], str(CASES[i][2])[6:])
-)
+def case_id(i):
+    period, mode, dtype, *extra = CASES[i]
+    return f"K{period}-{mode}-{str(dtype)[6:]}" + ("-" + extra[0]["rownorm_scale"] if extra else "")
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=case_id)
 def test_sharded_equals_dense(sharded, case):
+    """Uneven shards ((7, 5) over 3 ranks: 3, 3, 1 rows) and empty ones ((2, 64) over 3). Auto-γ cases: the γ each
+    matrix calibrates (rebuilt by gather, sent back bit for bit by scatter) drives the same steps; control: the
+    dense run with the fixed default γ is not what they produced."""
     world, results = sharded
-    period, mode, dtype = CASES[case]
-    dense = dense_run(SHAPES, period, mode, dtype)
+    period, mode, dtype, *extra = CASES[case]
+    dense = dense_run(SHAPES, period, mode, dtype, extra=extra[0] if extra else None)
     tol = 1e-5 if dtype == torch.float32 else 2e-3  # bf16 NS5: batching differs between the two runs
     for rank_results in results:
         for got, want in zip(rank_results[case]["params"], dense):
             torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert results[0][case]["local_types"] == ["DTensor"] * len(SHAPES)  # states keep the parameter's placement
+    if extra:
+        fixed = dense_run(SHAPES, period, mode, dtype)
+        assert not all(torch.allclose(g, f, rtol=tol, atol=tol) for g, f in zip(results[0][case]["params"], fixed))
 
 
 def expected_buckets(shapes, world, itemsize, bucket_bytes):
@@ -59,7 +73,7 @@ def test_collectives_per_step_are_the_papers_budget(sharded):
     """Counted by the profiler (c10d ops), independently of comm_stats: RowNorm steps one all-reduce (column
     statistics and the non-finite flag), refresh steps only the refresh payload (the flag rides its first bucket)."""
     world, results = sharded
-    for case, (period, mode, dtype) in enumerate(CASES):
+    for case, (period, mode, dtype, *_) in enumerate(CASES):  # auto-γ cases included: the same budget
         buckets = expected_buckets(SHAPES, world, dtype.itemsize, int(0.01 * 2**20))
         small = 0
         for t, step in enumerate(results[0][case]["steps"]):
@@ -153,10 +167,16 @@ def test_scale_model_byte_accounting_equals_measured_comm_stats(sharded):
     scale_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(scale_model)
     world, results = sharded
-    for case, (period, mode, dtype) in enumerate(CASES):
+    owners = assign_owners([ns_flops(s) for s in SHAPES], world)
+    for case, (period, mode, dtype, *extra) in enumerate(CASES):
         for rank in range(world):
             model = scale_model.comm_per_rank(SHAPES, world, rank, mode, dtype.itemsize, int(0.01 * 2**20))
             steps = results[rank][case]["steps"]
+            if extra and mode == "scatter":  # an owner returns each matrix's γ candidates (8 bytes) with its rows
+                owned = owners.count(rank)
+                model["refresh"] = dict(model["refresh"])
+                model["refresh"]["bytes_sent"] += 8 * owned * (world - 1)
+                model["refresh"]["bytes_received"] += 8 * (len(SHAPES) - owned)
             assert steps[0]["stats"]["refresh"] == model["refresh"]
             assert steps[0]["ns_flops"] == model["ns_flops"]
             if period > 1:
