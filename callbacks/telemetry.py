@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_muon.callbacks.publish import publish_scalars
 from lightning_muon.optim import PeriodicRowwiseMuon
+from lightning_muon.optim.kernels import AUTO_SCALES
 
 __all__ = ["OptimizerTelemetry", "squared_norms"]
 
@@ -51,6 +52,29 @@ def squared_norms(lists: list[list[Tensor]]) -> Tensor:
     return out
 
 
+def scale_summary(optimizer: PeriodicRowwiseMuon) -> dict[str, float]:
+    """Per Muon group, from the γ candidates each matrix measured at its latest refresh
+    (:func:`~lightning_muon.optim.kernels.refresh_scales`): the mean RowNorm-to-NS5 ratios (their inverses) and,
+    under ``rownorm_scale="auto"``, the γ in use (mean / min / max). One host read."""
+    values = {}
+    for g, group in enumerate(optimizer.param_groups):
+        states = [optimizer.state.get(p, {}) for p in group["params"]] if group["use_muon"] else []
+        scales = [s["refresh_scales"] for s in states if "refresh_scales" in s]
+        table = torch.stack(scales).double().cpu() if scales else torch.zeros(0, 2, dtype=torch.float64)
+        table = table[(table > 0).all(1)]  # matrices that refreshed
+        if not len(table):
+            continue
+        values[f"optim/rownorm_vs_ns5/descent/group{g}"] = float((1 / table[:, 0]).mean())
+        values[f"optim/rownorm_vs_ns5/rms/group{g}"] = float((1 / table[:, 1]).mean())
+        if isinstance(group["rownorm_scale"], str):
+            gamma = table[:, AUTO_SCALES[group["rownorm_scale"]]] * group["auto_scale_multiplier"]
+            values.update({f"optim/gamma/group{g}/{k}": float(f(gamma)) for k, f in STATS.items()})
+    return values
+
+
+STATS = {"mean": torch.mean, "min": torch.min, "max": torch.max}
+
+
 class OptimizerTelemetry(Callback):
     """Optimizer telemetry, measured and logged every ``log_every_n_steps`` (default: the Trainer's) at the global
     step by rank 0 to every logger (the values are already global). Other steps are not touched: no host
@@ -66,6 +90,11 @@ class OptimizerTelemetry(Callback):
       schedule).
     - ``optim/grad_norm/group<i>`` and ``optim/update_rms/group<i>`` (RMS of the parameter change of that step): one
       bucketed all-reduce for all groups.
+    - What γ means in this model, per Muon group, from each matrix's latest refresh (:func:`scale_summary`; the
+      callback makes the optimizer measure it, ``measure_scales``): ``optim/rownorm_vs_ns5/descent/group<i>`` and
+      ``.../rms/group<i>``, the mean RowNorm-to-NS5 ratio of first-order descent and of RMS (a RowNorm step at
+      γ = 1 relative to that refresh's step), and under ``rownorm_scale="auto"`` the calibrated
+      ``optim/gamma/group<i>/{mean,min,max}``.
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
@@ -91,6 +120,8 @@ class OptimizerTelemetry(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if isinstance(optimizer, PeriodicRowwiseMuon):
+            optimizer.measure_scales = True
         if not self._logging_now(trainer):
             return
         groups = optimizer.param_groups
@@ -116,6 +147,7 @@ class OptimizerTelemetry(Callback):
             for branch, stats in optimizer.comm_stats().items():
                 values.update({f"optim/{branch}_{k}": float(v) for k, v in stats.items()})
             values.update({f"optim/refreshes/{k}": float(v) for k, v in optimizer.refresh_counts().items()})
+            values.update(scale_summary(optimizer))
         groups = optimizer.param_groups
         deltas = [[p.detach() - b for p, b in zip(g["params"], before)] for g, before in zip(groups, self._before)]
         update_sq = squared_norms(deltas).tolist()

@@ -155,6 +155,38 @@ def test_telemetry_logs_a_refresh_exactly_every_k_steps(cache, tmp_path):
     assert matrix == [(t - 1, float((t - 1) // 3 + 1)) for t in range(1, 13)]  # NS5 refreshes so far, per matrix
     group = dict((e.step, e.value) for e in acc.Scalars("optim/refreshes/group0"))
     assert group[11] > matrix[-1][1] and group[11] % matrix[-1][1] == 0  # every matrix of the group alike
+    descent = [e.value for e in acc.Scalars("optim/rownorm_vs_ns5/descent/group0")]
+    rms = [e.value for e in acc.Scalars("optim/rownorm_vs_ns5/rms/group0")]
+    assert len(descent) == len(rms) == 12 and all(d > 1 for d in descent) and all(0.8 < r < 2 for r in rms)
+    assert not any(t.startswith("optim/gamma/") for t in tags)  # a fixed γ: nothing calibrated
+
+
+def test_telemetry_reports_the_calibrated_gamma_and_the_ratios_it_inverts(cache, tmp_path):
+    """Under rownorm_scale="auto" the logged γ (mean, min, max over the group's matrices) is what the optimizer's
+    states hold, and its mean inverse-relates to the logged descent ratio (control: the RMS ratio does not)."""
+    L.seed_everything(0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=TensorBoardLogger(tmp_path, name="logs"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        callbacks=[OptimizerTelemetry()],
+    )
+    module = DiTModule(model_config=SMALL_DIT, rownorm_scale="auto")
+    trainer.fit(module, DigitsDataModule(batch_size=32))
+    acc = event_scalars(trainer.logger.log_dir)
+    gamma = {k: acc.Scalars(f"optim/gamma/group0/{k}")[-1].value for k in ("mean", "min", "max")}
+    opt = trainer.optimizers[0]
+    held = torch.stack([opt.state[p]["refresh_scales"][0] for p in opt.param_groups[0]["params"]])
+    assert gamma == pytest.approx({"mean": held.mean().item(), "min": held.min().item(), "max": held.max().item()})
+    assert gamma["min"] < gamma["mean"] < gamma["max"]
+    descent = acc.Scalars("optim/rownorm_vs_ns5/descent/group0")[-1].value
+    assert descent == pytest.approx(float((1 / held.double()).mean()), rel=1e-6)
+    rms = acc.Scalars("optim/rownorm_vs_ns5/rms/group0")[-1].value
+    assert rms != pytest.approx(descent, rel=1e-3)
 
 
 @pytest.mark.distributed
