@@ -73,6 +73,7 @@ def test_resume_continues_schedule_and_loss_curve(runs, resumed):
     assert curve(runs["first"])[1] == curve(runs["straight"][:6])[1]
 
 
+@pytest.mark.slow
 def test_adaptive_schedule_resumes_from_a_distributed_checkpoint(tmp_path):
     """The adaptive schedule's per-matrix state (reference momentum shards, host ages, drifts, counts) goes through
     torch.distributed.checkpoint: the resumed run takes the uninterrupted run's per-matrix decisions and losses."""
@@ -102,6 +103,7 @@ def test_partially_sharded_muon_matrices_fail_clearly(tmp_path):
     assert proc.returncode != 0 and "is not a DTensor" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_users_torch_adamw_under_muon_fsdp_equals_lightnings_model_parallel(tmp_path):
     """Any optimizer is accepted: torch.optim.AdamW on the same FSDP2 sharding as Lightning's own strategy."""
     ours = fit(tmp_path, "ours", devices=2, epochs=1, extra=["--optimizer", "adamw"])

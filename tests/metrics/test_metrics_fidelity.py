@@ -115,7 +115,7 @@ def our_inception_metrics(weights, real, fake, splits=2, subsets=7, subset_size=
         return {"fid": fid.compute().item(), **{k: v.item() for k, v in {**kid.compute(), **isc.compute()}.items()}}
 
 
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("size", [SIZES[0], *(pytest.param(s, marks=pytest.mark.slow) for s in SIZES[1:])])
 def test_fid_kid_is_equal_torch_fidelity(inception_path, size):
     real, fake = smooth_images(10, size, 0), smooth_images(10, size, 1)
     ref = torch_fidelity_metrics(inception_path, real, fake)
@@ -179,6 +179,7 @@ def test_sfid_features_are_mixed_6d_1x1_first_7_channels_hwc(inception_path):
     assert not torch.allclose(spatial(images), seen["x"][:, :7].reshape(4, -1))
 
 
+@pytest.mark.slow
 def test_adm_reference_batch_npz(inception_path, tmp_path):
     inception = InceptionFeatures(inception_path)
     real, fake = smooth_images(12, 64, 4), smooth_images(12, 64, 5)

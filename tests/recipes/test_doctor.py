@@ -18,6 +18,7 @@ def run_doctor(tmp_path, *args):
     return proc, {r["name"]: r for r in json.loads(out.read_text())} if out.is_file() else {}
 
 
+@pytest.mark.slow
 def test_doctor_runs_its_cpu_checks_and_writes_every_figure(tmp_path):
     proc, rows = run_doctor(tmp_path, "--device", "cpu", "--hidden", "128")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]

@@ -71,7 +71,7 @@ def test_every_sample_once_per_epoch_with_equal_step_counts(n, batch, world):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_resume_on_three_ranks_after_two_sees_every_sample_exactly_once(tmp_path, num_workers):
     latent_dir(tmp_path, sizes=(13, 17, 11, 9), caption=False)  # 50 samples
     first = run_distributed(latent_epoch_worker, 2, str(tmp_path), 3, 4, None, num_workers)  # 4 steps x 6
