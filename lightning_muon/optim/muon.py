@@ -300,7 +300,7 @@ class PeriodicRowwiseMuon(Optimizer):
         """
         checking = self.nonfinite != "ignore"
         matrices = [(w, r) for w in works for r in w.rownorm]
-        group = next((mesh_group(p) for w in works for p in w.params if mesh_group(p) is not None), None)
+        group = next((g for g in (mesh_group(p) for w in works for p in w.params) if g is not None), None)
         crossing = any(r.crosses_ranks for _, r in matrices)
         reduce = group is not None and (crossing or (checking and not flag_rides_refresh))
         overlap = reduce and not checking
