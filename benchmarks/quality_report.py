@@ -1,5 +1,6 @@
-"""The quality study's report: tables (``quality_study.md``) and plots from its CSV (``benchmarks/quality_study.py``
-runs the study and calls :func:`report`)."""
+"""The quality study's report: ``quality_study.md`` and its plots from the CSV (``benchmarks/quality_study.py`` runs
+the study and calls :func:`report`). Means ± standard errors over seeds; "beyond 2 SE": whether a difference of means
+exceeds two standard errors of that difference."""
 
 from __future__ import annotations
 
@@ -9,300 +10,377 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from quality_study import ARMS, PLOTS, VARIANTS, budget, chosen_lr, run_key
+from quality_study import MUON, PAPER_GAMMA, PLOTS, Arm, Plan, _f, budget, periodic, run_key
+
+#: time-to-target: the target is this multiple of Muon's mean best FD ("within 10% of Muon's best")
+TARGET_OF_MUON = 1.10
 
 
-# ------------------------------------------------------------------------------------------------------- report
-def _f(v: Any) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
+# ------------------------------------------------------------------------------------------------------ numbers
+def mean_se(xs: list[float]) -> tuple[float, float]:
     xs = [x for x in xs if not math.isnan(x)]
     if not xs:
         return math.nan, math.nan
     m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return m, sd / math.sqrt(len(xs))
 
 
-def per_run(rows: list[dict[str, Any]], variant: str = "ns5") -> dict[tuple, list[dict[str, Any]]]:
-    """Rows of each run of ``variant``, by (config, optimizer, K, γ, lr, seed), in step order."""
+def fmt(m: float, se: float, digits: int = 3) -> str:
+    return f"{m:.{digits}f} ± {se:.{digits}f}" if not math.isnan(m) else "—"
+
+
+def change(ours: float, base: float) -> str:
+    """``ours`` relative to ``base``: "12.3% lower" / "4.5% higher"."""
+    if math.isnan(ours) or math.isnan(base):
+        return "—"
+    pct = 100 * (ours - base) / base
+    return f"{abs(pct):.1f}% {'lower' if pct < 0 else 'higher'}"
+
+
+def beyond_2se(a: list[float], b: list[float]) -> str:
+    """Whether mean(a) − mean(b) exceeds 2 standard errors of the difference."""
+    a, b = [x for x in a if not math.isnan(x)], [x for x in b if not math.isnan(x)]
+    if len(a) < 2 or len(b) < 2:
+        return "n/a (< 2 seeds)"
+    (ma, sa), (mb, sb) = mean_se(a), mean_se(b)
+    se = math.sqrt(sa**2 + sb**2)
+    return "yes" if se > 0 and abs(ma - mb) > 2 * se else "no"
+
+
+def runs_of(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Each run's rows by (config, arm, lr, seed), in step order."""
     runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        key = run_key(r)
-        if key[6] == variant:
-            runs[key[:6]].append(r)
+        runs[run_key(r)].append(r)
     for v in runs.values():
         v.sort(key=lambda r: int(r["step"]))
     return runs
 
 
+def first_reaching(run_rows: list[dict[str, Any]], target: float, clock: str) -> float:
+    """``clock`` (a CSV column) at the first evaluation whose FD is at most ``target``; NaN if none is."""
+    return next((_f(r[clock]) for r in run_rows if _f(r["fd"]) <= target), math.nan)
+
+
+def fd_at(run_rows: list[dict[str, Any]], wall: float) -> float:
+    """FD at ``wall`` training seconds, linear between evaluations (NaN outside the run)."""
+    points = [(_f(r["wall_seconds"]), _f(r["fd"])) for r in run_rows]
+    for (t0, f0), (t1, f1) in zip(points, points[1:]):
+        if t0 <= wall <= t1:
+            return f0 + (f1 - f0) * (wall - t0) / (t1 - t0) if t1 > t0 else f1
+    return math.nan
+
+
 def summarize(run_rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Best FD (and its step, wall time to reach it), final validation loss, optimizer-time share, step time."""
-    best = min(run_rows, key=lambda r: _f(r["fd"]))
-    last = run_rows[-1]
-    steps = int(last["step"])
+    best = min(run_rows, key=lambda r: _f(r["fd"]) if math.isfinite(_f(r["fd"])) else math.inf)
+    last, steps = run_rows[-1], int(run_rows[-1]["step"])
+    losses = [_f(r["val_loss"]) for r in run_rows if math.isfinite(_f(r["val_loss"]))]
     return {
         "best_fd": _f(best["fd"]),
-        "time_to_best": _f(best["wall_seconds"]),
-        "val_loss": _f(last["val_loss"]),
+        "best_step": int(best["step"]),
+        "last_step": steps,
+        "val_loss": min(losses, default=math.nan),
         "precision": _f(best["precision"]),
         "recall": _f(best["recall"]),
-        "opt_share": _f(last["optimizer_seconds"]) / _f(last["wall_seconds"]),
+        "wall_to_best": _f(best["wall_seconds"]),
+        "opt_to_best": _f(best["optimizer_seconds"]),
+        "wall": _f(last["wall_seconds"]),
         "opt_ms": 1000 * _f(last["optimizer_seconds"]) / steps,
-        # runs from before the column: a fixed schedule refreshes at steps 1, K+1, 2K+1, ...
-        "refreshes": _f(last.get("refreshes")) if last.get("refreshes") else -(-steps // int(last["period"])),
         "step_ms": 1000 * _f(last["wall_seconds"]) / steps,
+        "refreshes": _f(last["refreshes"]) / steps,
+        "gamma_descent": _f(last["gamma_descent"]),
+        "gamma_rms": _f(last["gamma_rms"]),
     }
 
 
-def arm_stats(
-    rows: list[dict[str, Any]],
-    config: str,
-    optimizer: str,
-    period: int,
-    scale: float,
-    lr: float | None,
-    variant: str = "ns5",
-):
-    """Per-seed summaries of one arm at one learning rate (default: every seed at the chosen rate)."""
-    out = []
-    for key, run_rows in per_run(rows, variant).items():
-        c, o, k, g, run_lr, _ = key
-        if (c, o, k, g) == (config, optimizer, period, round(scale, 6)) and (lr is None or run_lr == lr):
-            out.append(summarize(run_rows))
-    return out
+class Study:
+    """The finished runs of one configuration, looked up by arm at its chosen learning rate."""
+
+    def __init__(self, rows: list[dict[str, Any]], plan: Plan, config: str, args: argparse.Namespace):
+        self.config, self.plan, self.args = config, plan, args
+        self.runs = {key: v for key, v in runs_of(rows).items() if key[0] == config}
+
+    def lr(self, arm: Arm) -> float | None:
+        sweep = self.plan.sweeps.get((self.config, arm.name))
+        return sweep.chosen if sweep else None
+
+    def seeds(self, arm: Arm, lr: float | None = None) -> dict[int, list[dict[str, Any]]]:
+        """The runs of ``arm`` at ``lr`` (default: its chosen lr) by seed."""
+        lr = self.lr(arm) if lr is None else lr
+        if lr is None:
+            return {}
+        return {k[3]: v for k, v in self.runs.items() if k[1] == arm.name and k[2] == round(lr, 10)}
+
+    def stats(self, arm: Arm, lr: float | None = None) -> list[dict[str, float]]:
+        return [summarize(v) for v in self.seeds(arm, lr).values()]
+
+    def column(self, arm: Arm, name: str) -> list[float]:
+        return [s[name] for s in self.stats(arm)]
 
 
-def fmt(m: float, s: float, digits: int = 3) -> str:
-    return f"{m:.{digits}f} ± {s:.{digits}f}" if not math.isnan(m) else "—"
-
-
-def change(ours: float, base: float) -> str:
-    """``ours`` relative to ``base``: "12.3% lower" / "4.5% higher"."""
-    pct = 100 * (ours - base) / base
-    return f"{abs(pct):.1f}% {'lower' if pct < 0 else 'higher'}"
-
-
-def two_se_differs(a: list[float], b: list[float]) -> str:
-    """Whether mean(a) − mean(b) exceeds 2 standard errors of the difference."""
-    if len(a) < 2 or len(b) < 2:
-        return "n/a (< 2 seeds)"
-    (ma, sa), (mb, sb) = mean_std(a), mean_std(b)
-    se = math.sqrt((sa**2) / max(len(a), 1) + (sb**2) / max(len(b), 1))
-    return "yes" if se > 0 and abs(ma - mb) > 2 * se else "no"
-
-
-def report(rows: list[dict[str, Any]], args: argparse.Namespace, out_dir: Path) -> str:
-    """quality_study.md (tables in the paper's form) and the PNG plots, from the CSV rows."""
+# ------------------------------------------------------------------------------------------------------- report
+def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out_dir: Path) -> str:
+    """quality_study.md and the PNG plots, from the CSV rows and the plan they give."""
     done = {run_key(r) for r in rows}
+    planned = {run.key for run in plan.runs}
     lines = [
         "# Quality study",
         "",
         f"Command: `{args.command}`. Machine: {args.machine}. Regenerate this page: "
-        "`python benchmarks/quality_study.py --report-only`. Mean ± std over seeds; 'beyond 2 SE' says whether a "
-        "difference exceeds two standard errors of the difference of means.",
+        "`python benchmarks/quality_study.py --report-only`. Mean ± standard error over seeds; 'beyond 2 SE': "
+        "whether a difference of means exceeds two standard errors of that difference. Protocol: the docstring of "
+        "`benchmarks/quality_study.py`.",
         "",
-        f"Runs in the CSV: {len(done)} of the {args.planned} these flags plan"
-        + ("." if len(done) >= args.planned else " (partial: run the command again to train the rest)."),
+        f"Runs in the CSV: {len(done & planned)} of the {len(planned)} planned so far"
+        + ("." if planned <= done else " (partial: run the command again to train the rest)."),
         "",
     ]
     for config in args.configs:
-        lrs = {arm: chosen_lr(rows, config, arm, args) for arm in ARMS}
-        stats = {}
-        for arm, (opt, k, g) in ARMS.items():
-            opt = "muon" if opt == "periodic_muon" and k == 1 else opt
-            stats[arm] = arm_stats(rows, config, opt, k, g if opt == "periodic_muon" else 0.0, lrs[arm])
+        study = Study(rows, plan, config, args)
         steps, every = budget(config, args)
         lines += [
             f"## {config}",
             "",
-            f"{steps} optimizer steps per run, evaluated every {every} ({args.samples} samples, "
-            f"{args.inference_steps} sampler steps). Learning rates chosen on the final validation loss (seed "
-            f"{args.seed0}; swept: "
-            + "; ".join(f"{arm} {', '.join(f'{x:g}' for x in args.lrs[arm])}" for arm in ARMS)
-            + "): "
-            + ", ".join(f"{arm} {lrs[arm]:g}" for arm in ARMS)
-            + ".",
+            f"{steps} optimizer steps per run at a constant learning rate after warm-up, evaluated every {every} "
+            f"({args.samples} samples, {args.inference_steps} sampler steps).",
             "",
-            "| optimizer | seeds | best FD | final val loss | precision | recall | optimizer ms/step | step ms | "
-            "optimizer share | time to best FD (s) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for arm, s in stats.items():
-            col = {key: mean_std([x[key] for x in s]) for key in s[0]} if s else {}
-            if not col:
-                continue
-            lines.append(
-                f"| {arm} | {len(s)} | {fmt(*col['best_fd'])} | {fmt(*col['val_loss'], 4)} | "
-                f"{fmt(*col['precision'])} | {fmt(*col['recall'])} | {fmt(*col['opt_ms'], 1)} | "
-                f"{fmt(*col['step_ms'], 1)} | {fmt(*col['opt_share'], 2)} | {fmt(*col['time_to_best'], 0)} |"
-            )
-        fd = {arm: [x["best_fd"] for x in s] for arm, s in stats.items()}
-        vl = {arm: [x["val_loss"] for x in s] for arm, s in stats.items()}
-        opt = {arm: [x["opt_ms"] for x in s] for arm, s in stats.items()}
-        if all(fd.values()):
-            m = {arm: mean_std(v)[0] for arm, v in fd.items()}
-            o = {arm: mean_std(v)[0] for arm, v in opt.items()}
-            v = {arm: mean_std(x)[0] for arm, x in vl.items()}
-            lines += [
-                "",
-                "| comparison | ours | paper | beyond 2 SE |",
-                "|---|---:|---:|---|",
-                f"| Muon vs AdamW, best FD | {change(m['muon'], m['adamw'])} | 12.9–19.1% lower (FD-DINOv2) | "
-                f"{two_se_differs(fd['muon'], fd['adamw'])} |",
-                f"| Muon vs AdamW, final val loss | {change(v['muon'], v['adamw'])} | — | "
-                f"{two_se_differs(vl['muon'], vl['adamw'])} |",
-                f"| Periodic vs Muon, best FD | {change(m['periodic'], m['muon'])} | within 0.5% | "
-                f"{two_se_differs(fd['periodic'], fd['muon'])} |",
-                f"| Periodic vs Muon, optimizer time | {change(o['periodic'], o['muon'])} | 46.9–54.3% lower | "
-                f"{two_se_differs(opt['periodic'], opt['muon'])} |",
-                "",
-            ]
+        lines += sweep_table(study)
+        lines += main_table(study)
+        lines += time_tables(study)
+        lines += gamma_section(study, out_dir)
+        lines += period_table(study)
+        plot_curves(study, out_dir)
         lines += [f"![FD vs step]({PLOTS}{config}_fd_vs_step.png) ![FD vs wall]({PLOTS}{config}_fd_vs_wall.png)", ""]
-        plot_curves(rows, config, stats_keys(config, lrs), out_dir)
-    if args.ablations:
-        lines += ablation_tables(rows, args, out_dir)
-    if args.variants:
-        lines += variant_table(rows, args)
     text = "\n".join(lines) + "\n"
     (out_dir / "quality_study.md").write_text(text)
     return text
 
 
-def stats_keys(config: str, lrs: dict[str, float]) -> dict[str, tuple]:
-    keys = {}
-    for arm, (opt, k, g) in ARMS.items():
-        opt = "muon" if opt == "periodic_muon" and k == 1 else opt
-        keys[arm] = (config, opt, k, round(g if opt == "periodic_muon" else 0.0, 6), lrs[arm])
-    return keys
-
-
-def curves(rows, match) -> dict[int, list[dict[str, Any]]]:
-    """Rows of the runs ``match(key)`` accepts, per seed."""
-    return {key[5]: v for key, v in per_run(rows).items() if match(key)}
-
-
-def plot_band(ax, runs: dict[int, list[dict[str, Any]]], x: str, label: str) -> None:
-    if not runs:
-        return
-    n = min(len(v) for v in runs.values())
-    xs = [mean_std([_f(v[i][x]) for v in runs.values()])[0] for i in range(n)]
-    ys = [mean_std([_f(v[i]["fd"]) for v in runs.values()]) for i in range(n)]
-    mean = [m for m, _ in ys]
-    ax.plot(xs, mean, marker="o", ms=3, label=f"{label} (n={len(runs)})")
-    ax.fill_between(xs, [m - s for m, s in ys], [m + s for m, s in ys], alpha=0.2)
-
-
-def plot_curves(rows, config: str, keys: dict[str, tuple], out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for x, name, xlabel in (("step", "fd_vs_step", "step"), ("wall_seconds", "fd_vs_wall", "training wall seconds")):
-        fig, ax = plt.subplots(figsize=(5, 3.4), dpi=120)
-        for arm, key in keys.items():
-            plot_band(ax, curves(rows, lambda k, key=key: k[:5] == key), x, arm)
-        ax.set(xlabel=xlabel, ylabel="digits FD (lower is better)", title=f"{config}: mean ± std over seeds")
-        ax.set_yscale("log")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{PLOTS}{config}_{name}.png")
-        plt.close(fig)
-
-
-def ablation_tables(rows, args: argparse.Namespace, out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    config = args.configs[0]
-    lr = chosen_lr(rows, config, "periodic", args)
-    lines = [f"## Ablations ({config}, lr {lr:g}, seeds {args.seed0}…{args.seed0 + args.ablation_seeds - 1})", ""]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
-    for ax, (name, values, key_of) in zip(
-        axes,
-        (
-            ("K (γ = 0.15)", args.periods, lambda v: ("muon", 1, 0.0) if v == 1 else ("periodic_muon", v, 0.15)),
-            ("γ (K = 3)", args.scales, lambda v: ("periodic_muon", 3, round(v, 6))),
-        ),
-    ):
-        lines += [f"| {name} | seeds | best FD | vs the default (K=3, γ=0.15) | beyond 2 SE | optimizer ms/step |"]
-        lines += ["|---|---:|---:|---:|---|---:|"]
-        base = [
-            summarize(v)["best_fd"]
-            for key, v in per_run(rows).items()
-            if key[:5] == (config, "periodic_muon", 3, 0.15, lr) and key[5] < args.seed0 + args.ablation_seeds
-        ]
-        means, stds = [], []
-        for value in values:
-            opt, k, g = key_of(value)
-            s = [
-                summarize(v)
-                for key, v in per_run(rows).items()
-                if key[:5] == (config, opt, k, g, lr) and key[5] < args.seed0 + args.ablation_seeds
-            ]
-            fd = [x["best_fd"] for x in s]
-            (m, sd), (b, _) = mean_std(fd), mean_std(base)
-            means.append(m)
-            stds.append(sd)
-            lines.append(
-                f"| {value:g} | {len(s)} | {fmt(m, sd)} | {change(m, b)} | {two_se_differs(fd, base)} | "
-                f"{fmt(*mean_std([x['opt_ms'] for x in s]), 1)} |"
-            )
-        lines.append("")
-        ax.errorbar([str(v) for v in values], means, yerr=stds, marker="o", capsize=3)
-        ax.set(xlabel=name, ylabel="best digits FD", title=f"{config}: {name}")
-    fig.tight_layout()
-    fig.savefig(out_dir / f"{PLOTS}ablations.png")
-    plt.close(fig)
-    lines += [f"![K and γ ablations]({PLOTS}ablations.png)", ""]
-    return lines
-
-
-def variant_table(rows, args: argparse.Namespace) -> list[str]:
-    """Each optimizer variant against ``baseline`` (the default trained beside them) at the same arm, learning rate
-    and seeds."""
-    config = args.configs[0]
+def sweep_table(study: Study) -> list[str]:
     lines = [
-        f"## Variants: orthogonalizers and refresh schedules ({config}, the chosen learning rates, seeds "
-        f"{args.seed0}…{args.seed0 + args.seeds - 1})",
+        "### Learning-rate sweeps (seed 0; lowest validation loss reached, * chosen)",
         "",
-        "| arm | variant | seeds | best FD | vs baseline | beyond 2 SE | final val loss | vs baseline | beyond 2 SE | "
-        "optimizer ms/step | refreshes per matrix |",
-        "|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|",
+        "| arm | validation loss per lr | chosen lr | interior of its grid |",
+        "|---|---|---:|---|",
     ]
-    for arm in ("muon", "periodic"):
-        opt, k, g = ARMS[arm]
-        opt = "muon" if k == 1 else opt
-        lr, scale = chosen_lr(rows, config, arm, args), g if opt == "periodic_muon" else 0.0
-        seeds = range(args.seed0, args.seed0 + args.seeds)
-
-        def stats(variant: str, opt=opt, k=k, scale=scale, lr=lr, seeds=seeds) -> list[dict[str, float]]:
-            return [
-                summarize(v)
-                for key, v in per_run(rows, variant).items()
-                if key[:5] == (config, opt, k, round(scale, 6), lr) and key[5] in seeds
-            ]
-
-        base = stats("baseline")
-        base_fd, base_vl = [x["best_fd"] for x in base], [x["val_loss"] for x in base]
-        for variant in [v for v in args.variants if arm in VARIANTS[v][0]]:
-            s = stats(variant)
-            if not s:
-                continue
-            fd, vl = [x["best_fd"] for x in s], [x["val_loss"] for x in s]
-            (m_fd, s_fd), (m_vl, s_vl) = mean_std(fd), mean_std(vl)
-            vs_fd = change(m_fd, mean_std(base_fd)[0]) if base else "—"
-            vs_vl = change(m_vl, mean_std(base_vl)[0]) if base else "—"
-            lines.append(
-                f"| {arm} | {variant} | {len(s)} | {fmt(m_fd, s_fd)} | {vs_fd} | {two_se_differs(fd, base_fd)} | "
-                f"{fmt(m_vl, s_vl, 4)} | {vs_vl} | {two_se_differs(vl, base_vl)} | "
-                f"{fmt(*mean_std([x['opt_ms'] for x in s]), 1)} | {fmt(*mean_std([x['refreshes'] for x in s]), 1)} |"
-            )
+    for (config, name), sweep in study.plan.sweeps.items():
+        if config != study.config:
+            continue
+        cells = []
+        for run in sweep.runs:
+            v = study.runs.get(run.key)
+            loss = min((_f(r["val_loss"]) for r in v), default=math.nan) if v else math.nan
+            cells.append(f"{run.lr:g}: {loss:.4f}{'*' if run.lr == sweep.chosen else ''}")
+        interior = "—" if sweep.chosen is None else ("no (grid extensions ran out)" if sweep.at_edge else "yes")
+        chosen = f"{sweep.chosen:g}" if sweep.chosen is not None else "sweep not finished"
+        lines.append(f"| {name} | {', '.join(cells)} | {chosen} | {interior} |")
     return lines + [""]
+
+
+def main_table(study: Study) -> list[str]:
+    muon_fd, muon_vl = study.column(MUON, "best_fd"), study.column(MUON, "val_loss")
+    lines = [
+        "### Each arm at its own best learning rate",
+        "",
+        "| arm | lr | seeds | best FD | vs Muon | beyond 2 SE | best val loss | vs Muon | beyond 2 SE | "
+        "step of best FD (last eval) | precision | recall | optimizer ms/step | step ms |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|",
+    ]
+    not_before_last = []
+    for arm in study.plan.reported[study.config]:
+        s = study.stats(arm)
+        if not s:
+            continue
+        col = {key: mean_se([x[key] for x in s]) for key in s[0]}
+        fd, vl = [x["best_fd"] for x in s], [x["val_loss"] for x in s]
+        at_last = [x for x in s if x["best_step"] == x["last_step"]]
+        if at_last:
+            not_before_last.append(f"{arm.name} ({len(at_last)} of {len(s)} seeds)")
+        best_steps = "/".join(str(x["best_step"]) for x in s) + f" ({s[0]['last_step']})"
+        lines.append(
+            f"| {arm.name} | {study.lr(arm):g} | {len(s)} | {fmt(*col['best_fd'])} | "
+            f"{change(col['best_fd'][0], mean_se(muon_fd)[0])} | {beyond_2se(fd, muon_fd)} | "
+            f"{fmt(*col['val_loss'], 4)} | {change(col['val_loss'][0], mean_se(muon_vl)[0])} | "
+            f"{beyond_2se(vl, muon_vl)} | {best_steps} | {fmt(*col['precision'])} | {fmt(*col['recall'])} | "
+            f"{fmt(*col['opt_ms'], 1)} | {fmt(*col['step_ms'], 1)} |"
+        )
+    lines.append("")
+    if not_before_last:
+        too_short = ", ".join(not_before_last)
+        lines.append(f"Best FD at the last evaluation (the budget may be too short for them): {too_short}.")
+    else:
+        lines.append("Every reported arm reached its best FD before the last evaluation.")
+    return lines + [""]
+
+
+def time_tables(study: Study) -> list[str]:
+    """Time to a target FD (within TARGET_OF_MUON of Muon's mean best) and to each run's own best, in training wall
+    and optimizer seconds; FD at the wall time every arm reached."""
+    muon_best = mean_se(study.column(MUON, "best_fd"))[0]
+    if math.isnan(muon_best):
+        return []
+    target = TARGET_OF_MUON * muon_best
+    lines = [
+        f"### Time to quality (target FD ≤ {target:.3f}: within {100 * (TARGET_OF_MUON - 1):.0f}% of Muon's mean "
+        "best; first evaluation at or below it)",
+        "",
+        "| arm | seeds reaching target | wall s to target | optimizer s to target | wall s to own best | "
+        "optimizer s to own best | vs Muon (wall to target) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    muon_wall = [first_reaching(v, target, "wall_seconds") for v in study.seeds(MUON).values()]
+    arms = [a for a in study.plan.reported[study.config] if study.stats(a)]
+    for arm in arms:
+        seeds = list(study.seeds(arm).values())
+        wall = [first_reaching(v, target, "wall_seconds") for v in seeds]
+        opt = [first_reaching(v, target, "optimizer_seconds") for v in seeds]
+        s = study.stats(arm)
+        reached = sum(not math.isnan(w) for w in wall)
+        lines.append(
+            f"| {arm.name} | {reached} of {len(seeds)} | {fmt(*mean_se(wall), 1)} | {fmt(*mean_se(opt), 1)} | "
+            f"{fmt(*mean_se([x['wall_to_best'] for x in s]), 1)} | {fmt(*mean_se([x['opt_to_best'] for x in s]), 1)} | "
+            f"{change(mean_se(wall)[0], mean_se(muon_wall)[0])} |"
+        )
+    equal = min(mean_se(study.column(a, "wall"))[0] for a in arms)
+    lines += [
+        "",
+        f"FD at equal training wall time ({equal:.0f} s, the shortest arm's mean run; linear between evaluations):",
+        "",
+        "| arm | FD | vs Muon | beyond 2 SE |",
+        "|---|---:|---:|---|",
+    ]
+    muon_at = [fd_at(v, equal) for v in study.seeds(MUON).values()]
+    for arm in arms:
+        at = [fd_at(v, equal) for v in study.seeds(arm).values()]
+        lines.append(
+            f"| {arm.name} | {fmt(*mean_se(at))} | {change(mean_se(at)[0], mean_se(muon_at)[0])} | "
+            f"{beyond_2se(at, muon_at)} |"
+        )
+    return lines + [""]
+
+
+def gamma_section(study: Study, out_dir: Path) -> list[str]:
+    """The γ × lr grid at K=3 (seed 0) as a heat map, each γ at its own best lr, and auto-γ beside them."""
+    gammas = study.args.gammas
+    lines = [
+        "### γ at K=3, each at its own learning rate (and the calibrated γ)",
+        "",
+        "| γ | lr | lr·(1+2γ)/3 | seeds | best FD | vs γ=0.15 | beyond 2 SE | best val loss | mean calibrated γ "
+        "(descent / RMS) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    paper = periodic(3, PAPER_GAMMA)
+    base = study.column(paper, "best_fd")
+    for scale in [*gammas, *study.args.auto]:
+        arm = periodic(3, scale)
+        s, lr = study.stats(arm), study.lr(arm)
+        if not s or lr is None:
+            continue
+        fd = [x["best_fd"] for x in s]
+        mean_step = f"{lr * (1 + 2 * scale) / 3:.4f}" if isinstance(scale, float) else "—"
+        calibrated = "—"
+        if isinstance(scale, str):
+            descent, rms = (mean_se([x[key] for x in s])[0] for key in ("gamma_descent", "gamma_rms"))
+            calibrated = f"{descent:.3f} / {rms:.3f}"
+        best = " (best on val loss)" if scale == study.plan.best_gamma.get(study.config) else ""
+        lines.append(
+            f"| {scale}{best} | {lr:g} | {mean_step} | {len(s)} | {fmt(*mean_se(fd))} | "
+            f"{change(mean_se(fd)[0], mean_se(base)[0])} | {beyond_2se(fd, base)} | "
+            f"{fmt(*mean_se([x['val_loss'] for x in s]), 4)} | {calibrated} |"
+        )
+    plot_heatmap(study, out_dir)
+    return lines + ["", f"![γ × lr]({PLOTS}{study.config}_gamma_lr.png)", ""]
+
+
+def period_table(study: Study) -> list[str]:
+    gamma = study.plan.best_gamma.get(study.config)
+    if gamma is None:
+        return []
+    lines = [
+        f"### K at γ = {gamma:g} (the best γ of the K=3 grid), each at its own learning rate",
+        "",
+        "| K | lr | seeds | best FD | vs K=3 | beyond 2 SE | best val loss | NS5 refreshes per matrix per step | "
+        "optimizer ms/step |",
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    k3 = study.column(periodic(3, gamma), "best_fd")
+    for k in sorted({1, *study.args.periods}):
+        arm = MUON if k == 1 else periodic(k, gamma)
+        s, lr = study.stats(arm), study.lr(arm)
+        if not s or lr is None:
+            continue
+        fd = [x["best_fd"] for x in s]
+        lines.append(
+            f"| {k} | {lr:g} | {len(s)} | {fmt(*mean_se(fd))} | {change(mean_se(fd)[0], mean_se(k3)[0])} | "
+            f"{beyond_2se(fd, k3)} | {fmt(*mean_se([x['val_loss'] for x in s]), 4)} | "
+            f"{mean_se([x['refreshes'] for x in s])[0]:.3f} | {fmt(*mean_se([x['opt_ms'] for x in s]), 1)} |"
+        )
+    return lines + [""]
+
+
+# -------------------------------------------------------------------------------------------------------- plots
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_heatmap(study: Study, out_dir: Path) -> None:
+    """Seed 0's best validation loss and best FD on the γ × lr grid (blank: not run); boxes: each γ's chosen lr."""
+    import numpy as np
+
+    gammas = study.args.gammas
+    lrs = sorted({k[2] for k in study.runs if any(k[1] == periodic(3, g).name for g in gammas)})
+    if not lrs:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120)
+    for ax, (key, title) in zip(axes, (("val_loss", "best validation loss"), ("best_fd", "best FD"))):
+        grid = np.full((len(gammas), len(lrs)), np.nan)
+        for i, g in enumerate(gammas):
+            for j, lr in enumerate(lrs):
+                run = study.runs.get((study.config, periodic(3, g).name, lr, study.args.seed0))
+                if run:
+                    grid[i, j] = summarize(run)[key]
+        image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+        fig.colorbar(image, ax=ax)
+        for i, g in enumerate(gammas):
+            for j in range(len(lrs)):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="w")
+            chosen = study.lr(periodic(3, g))
+            if chosen is not None and round(chosen, 10) in lrs:
+                j = lrs.index(round(chosen, 10))
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
+        ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs], rotation=45)
+        ax.set_yticks(range(len(gammas)), [f"{g:g}" for g in gammas])
+        ax.set(xlabel="learning rate", ylabel="γ (K=3)", title=f"{study.config}: {title} (seed 0)")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{PLOTS}{study.config}_gamma_lr.png")
+    plt.close(fig)
+
+
+def plot_curves(study: Study, out_dir: Path) -> None:
+    plt = _pyplot()
+    arms = [a for a in study.plan.reported[study.config] if a.period in (1, 3) and study.stats(a)]
+    for x, name, xlabel in (("step", "fd_vs_step", "step"), ("wall_seconds", "fd_vs_wall", "training wall seconds")):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+        for arm in arms:
+            runs = list(study.seeds(arm).values())
+            n = min(len(v) for v in runs)
+            xs = [mean_se([_f(v[i][x]) for v in runs])[0] for i in range(n)]
+            ys = [mean_se([_f(v[i]["fd"]) for v in runs]) for i in range(n)]
+            mean = [m for m, _ in ys]
+            ax.plot(xs, mean, marker="o", ms=2, label=f"{arm.name}, lr {study.lr(arm):g} (n={len(runs)})")
+            ax.fill_between(xs, [m - 2 * s for m, s in ys], [m + 2 * s for m, s in ys], alpha=0.2)
+        ax.set(xlabel=xlabel, ylabel="digits FD (lower is better)", title=f"{study.config}: mean ± 2 SE over seeds")
+        ax.set_yscale("log")
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{PLOTS}{study.config}_{name}.png")
+        plt.close(fig)

@@ -1,21 +1,33 @@
-"""The quality study: does Muon beat AdamW on generation quality at an equal step budget, and does Periodic
-Row-wise Muon keep that gain at a fraction of the optimizer cost? (arXiv 2608.20818's headline claims, checked at
-small scale on this project's own runs.)
+"""The quality study (#26): does Periodic Row-wise Muon keep Muon's generation quality at a fraction of its optimizer
+time (arXiv 2608.20818's claims), with the step size separated from the direction?
 
-Two configurations built offline: ``digits8`` (the default digits DiT on sklearn's 8×8 digits) and ``digits16``
-(the digits upscaled to 16×16 with a wider, deeper DiT). Arms: AdamW, Muon (K=1) and Periodic Row-wise Muon (K=3,
-γ=0.15), each with a learning-rate sweep (best chosen on the final validation loss, never on a test metric) and
-more seeds at the chosen rate; ablations on ``digits8`` at the chosen rate: K ∈ {1, 2, 3, 4, 6} and
-γ ∈ {0.05, 0.1, 0.15, 0.3}. Every ``--eval-every`` steps each run records digits FD, precision, recall, density,
-coverage and validation loss, with its cumulative optimizer seconds (end of backward to end of the batch, the
-interval ``OptimizerTelemetry``'s ``optim/step_ms`` measures) and training wall seconds (evaluations excluded).
+Under this project's convention both branches share the lr and its shape factor, so γ scales the RowNorm steps'
+length: comparing γ values (or K values, or Periodic with Muon) at one learning rate measures mostly a total step
+size. So every arm gets its own learning-rate sweep and is compared at its best:
 
-Resumable: a run whose rows are in the CSV is skipped (finished runs are appended as they end). ``--jobs``
-trains runs in parallel processes (one thread each by default). ``--quick`` is a ≤ 10 minute smoke version.
+- **Arms.** AdamW; Muon (K=1); Periodic at K=3 on a γ × lr grid (γ ∈ ``--gammas``); Periodic K=3 with a γ that
+  calibrates itself at every refresh (``rownorm_scale="auto"``: descent-matched; ``"auto_rms"``: RMS-matched); and
+  K ∈ ``--periods`` at the best γ of the K=3 grid (each K with its own lr sweep; γ is not re-swept per K).
+- **Learning rates** are chosen per arm on seed 0 by the lowest validation loss reached (raw weights, a fixed
+  timestep grid and fixed noise), never on FD. A sweep starts from ``--lrs-muon`` / ``--lrs-adamw`` (log-spaced,
+  factor 2); a chosen lr at the edge of its grid adds the next one beyond it (up to ``--max-extend`` times), so a
+  finished sweep's choice is interior unless the report says otherwise.
+- **Budget.** A constant lr after a linear warm-up (EMA 0.995 for sampling), so a run's trajectory does not depend
+  on its length and "time to a target FD" is a property of the optimizer; under a cosine decay every curve is shaped
+  by where it ends. The report says for each arm whether its best FD came before the last evaluation.
+- **Seeds.** Every reported arm is retrained at its chosen lr with ``--seeds`` seeds (0 is the sweep's run).
+- **Clocks.** Every ``--eval-every`` steps a run records digits FD, precision, recall, density, coverage and the
+  validation loss, with its cumulative optimizer seconds (end of backward to end of the batch: the interval
+  ``OptimizerTelemetry``'s ``optim/step_ms`` measures) and training wall seconds (evaluations excluded).
 
-    python benchmarks/quality_study.py                 # the default study (≤ 90 min on 2 CPU cores)
-    python benchmarks/quality_study.py --report-only   # regenerate quality_study.md and the plots from the CSV
-    python benchmarks/quality_study.py --steps 3000 --seeds 5 --jobs 8 --device cuda   # scaled up on a GPU
+Resumable: runs whose rows are in the CSV are not trained again, and each finished run is appended at once; the
+plan is recomputed after every run (extensions, the K sweeps and the seeds start as soon as what they depend on is
+known). ``--jobs`` trains runs in parallel processes (``--threads`` each).
+
+    python benchmarks/quality_study.py                 # the default study (hours on 2 CPU cores; resumable)
+    python benchmarks/quality_study.py --report-only   # quality_study.md and the plots from the CSV
+    python benchmarks/quality_study.py --quick         # a few minutes' smoke version (the test runs it)
+    python benchmarks/quality_study.py --configs digits16 --jobs 8 --device cuda   # the larger configuration on a GPU
 """
 
 from __future__ import annotations
@@ -27,7 +39,6 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -37,7 +48,7 @@ COLUMNS = [
     "config",
     "optimizer",
     "period",
-    "rownorm_scale",
+    "rownorm_scale",  # γ, or "auto" / "auto_rms"; 0 outside periodic_muon
     "lr",
     "seed",
     "step",
@@ -49,22 +60,25 @@ COLUMNS = [
     "val_loss",
     "optimizer_seconds",
     "wall_seconds",
-    "role",
+    "arm",
+    "role",  # "sweep" (seed 0 of an lr sweep) or "seeds"
     "device",
-    "variant",
     "refreshes",  # NS5 refreshes per Muon matrix so far
+    "gamma_descent",  # mean over Muon matrices of the descent-matched γ at their latest refresh (auto arms only)
+    "gamma_rms",  # the same for the RMS-matched γ
 ]
 
-#: the configurations: the digits resolution, DiT kwargs and the default step budget (equal for every arm)
-CONFIGS = {
+#: the configurations: digits resolution and DiT kwargs, the default step budget and evaluation period
+CONFIGS: dict[str, dict[str, Any]] = {
     "digits8": {
         "image_size": 8,
-        "steps": 400,
+        "steps": 2000,
+        "eval_every": 100,
         "model_config": {
             "num_attention_heads": 4,
-            "attention_head_dim": 32,
+            "attention_head_dim": 16,
             "in_channels": 1,
-            "num_layers": 4,
+            "num_layers": 3,
             "sample_size": 8,
             "patch_size": 2,
             "num_embeds_ada_norm": 10,
@@ -72,7 +86,8 @@ CONFIGS = {
     },
     "digits16": {
         "image_size": 16,
-        "steps": 200,
+        "steps": 3000,
+        "eval_every": 200,
         "model_config": {
             "num_attention_heads": 6,
             "attention_head_dim": 32,
@@ -84,73 +99,60 @@ CONFIGS = {
         },
     },
 }
-
-#: the arms: optimizer name, K, γ; the learning rates swept (Muon: its lr; AdamW: adamw_lr)
-ARMS = {"adamw": ("adamw", 1, 0.0), "muon": ("muon", 1, 0.0), "periodic": ("periodic_muon", 3, 0.15)}
-LRS = {"adamw": (3e-4, 1e-3, 3e-3), "muon": (0.01, 0.02, 0.05), "periodic": (0.01, 0.02, 0.05)}
-PERIODS, SCALES = (1, 2, 3, 4, 6), (0.05, 0.1, 0.15, 0.3)
-#: optimizer variants compared with the default on the first configuration at the chosen learning rates: the arms
-#: they run on and their DiTModule options on top of the arm. "ns5" is the default every other run uses.
-#: Orthogonalizers (#16) on Muon (K=1) and Periodic (K=3); refresh schedules (#15) on Periodic, each with fewer
-#: refreshes than K=3: adaptive (threshold 0.35 chosen on seed 0 as the lowest of 0.3/0.35/0.4/0.45 with at most
-#: K=3's refreshes: 126 per matrix vs 134 in 400 steps) and one layer type at K=6 with the others at K=3.
-VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
-    "ns5": (("muon", "periodic"), {}),
-    # the default again, trained with the variants (same code, NS dtype and machine load): their reference
-    "baseline": (("muon", "periodic"), {}),
-    "polar_express": (("muon", "periodic"), {"ns_coefficients": "polar_express", "ns_method": "gram"}),
-    "turbo_muon": (
-        ("muon", "periodic"),
-        {"ns_coefficients": "turbo_muon", "ns_steps": 4, "ns_normalize": "aol", "ns_method": "gram"},
-    ),
-    "adaptive": (
-        ("periodic",),
-        {"refresh_schedule": "adaptive", "drift_threshold": 0.35, "min_period": 2, "max_period": 6},
-    ),
-    **{
-        f"{layer}_k6": (("periodic",), {"param_overrides": {layer: {"period": 6}}})
-        for layer in ("attention", "feed_forward", "modulation")
-    },
-}
+PAPER_GAMMA = 0.15
 PLOTS = "quality_study_"  # prefix of the PNG files beside the CSV
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """An optimizer setting whose learning rate is swept: AdamW, Muon, or Periodic at (K, γ)."""
+
+    optimizer: str  # "adamw", "muon", "periodic_muon"
+    period: int = 1
+    scale: float | str = 0.0  # γ or "auto" / "auto_rms" (periodic_muon only)
+
+    @property
+    def name(self) -> str:
+        if self.optimizer != "periodic_muon":
+            return self.optimizer
+        return f"K={self.period} γ={self.scale:g}" if isinstance(self.scale, float) else f"K={self.period} {self.scale}"
+
+    @property
+    def is_muon(self) -> bool:
+        return self.optimizer != "adamw"
+
+
+ADAMW, MUON = Arm("adamw"), Arm("muon")
+
+
+def periodic(period: int, scale: float | str) -> Arm:
+    return Arm("periodic_muon", period, scale)
+
+
+def parse_scale(text: str) -> float | str:
+    return text if text in ("auto", "auto_rms") else round(float(text), 6)
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
     config: str
-    arm: str
-    period: int
-    rownorm_scale: float
+    arm: Arm
     lr: float
     seed: int
-    role: str  # "sweep", "seeds", "ablation_k", "ablation_gamma", "variants"
-    variant: str = "ns5"
-
-    @property
-    def optimizer(self) -> str:
-        """Periodic Row-wise Muon at K=1 is vanilla Muon (γ unused): one run, not two."""
-        name = ARMS[self.arm][0]
-        return "muon" if name == "periodic_muon" and self.period == 1 else name
 
     @property
     def key(self) -> tuple:
-        """(config, optimizer, K, γ, lr, seed, variant) as the CSV rows spell them (K=1 and γ=0 outside
-        periodic_muon)."""
-        periodic = self.optimizer == "periodic_muon"
-        period, scale = (self.period, round(self.rownorm_scale, 6)) if periodic else (1, 0.0)
-        return (self.config, self.optimizer, period, scale, self.lr, self.seed, self.variant)
+        return (self.config, self.arm.name, round(self.lr, 10), self.seed)
 
 
 def run_key(row: dict[str, Any]) -> tuple:
-    return (
-        row["config"],
-        row["optimizer"],
-        int(row["period"]),
-        round(float(row["rownorm_scale"]), 6),
-        float(row["lr"]),
-        int(row["seed"]),
-        row.get("variant") or "ns5",
-    )
+    return (row["config"], row["arm"], round(float(row["lr"]), 10), int(row["seed"]))
+
+
+def arm_of(row: dict[str, Any]) -> Arm:
+    if row["optimizer"] != "periodic_muon":
+        return Arm(row["optimizer"])
+    return periodic(int(row["period"]), parse_scale(row["rownorm_scale"]))
 
 
 # ----------------------------------------------------------------------------------------------------- one run
@@ -168,29 +170,28 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     L.seed_everything(run.seed, verbose=False)
     spec = CONFIGS[run.config]
     steps, eval_every = budget(run.config, args)
-    _, optimizer, period, scale, *_ = run.key
-    lr = {"lr": run.lr} if optimizer != "adamw" else {"adamw_lr": run.lr}
+    arm = run.arm
     module = DiTModule(
         model_config=spec["model_config"],
-        optimizer=optimizer,
-        period=period,
-        rownorm_scale=scale or 0.15,
+        optimizer=arm.optimizer,
+        period=arm.period,
+        rownorm_scale=arm.scale if arm.optimizer == "periodic_muon" else PAPER_GAMMA,
         warmup_steps=max(1, steps // 30),
-        schedule="cosine",
+        schedule="constant",
         ema_decay=0.995,
         cfg_dropout=0.1,
         nonfinite="skip",
         ns_dtype="float32",  # the same NS arithmetic whether or not the CPU has native bf16 (the default picks it)
-        **lr,
-        **VARIANTS[run.variant][1],
+        **({"lr": run.lr} if arm.is_muon else {"adamw_lr": run.lr}),
     )
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
 
     class Clock(Callback):
-        """Cumulative optimizer seconds and training wall seconds (evaluation time excluded) per step."""
+        """Cumulative optimizer seconds and training wall seconds (evaluation excluded), NS5 refreshes per matrix
+        and the calibrated γ means, at each evaluated step; the validation loss of each evaluation."""
 
         def __init__(self) -> None:
-            self.optimizer_seconds, self.eval_seconds, self.snapshots = 0.0, 0.0, {}
+            self.optimizer_seconds, self.eval_seconds, self.snapshots, self.val = 0.0, 0.0, {}, {}
             self._t0 = self._start = 0.0
 
         def on_train_start(self, trainer, pl_module) -> None:
@@ -204,15 +205,12 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
             self.optimizer_seconds += now - self._t0
             if trainer.global_step % eval_every == 0:
                 wall = now - self._start - self.eval_seconds
-                counts = trainer.optimizers[0].refresh_counts()
-                groups = [v for k, v in counts.items() if re.fullmatch(r"group\d+", k)]
-                per_matrix = sum(groups) / max(1, len(counts) - len(groups))
-                self.snapshots[trainer.global_step] = (self.optimizer_seconds, wall, per_matrix)
+                self.snapshots[trainer.global_step] = (self.optimizer_seconds, wall, *muon_state(trainer.optimizers[0]))
 
         def on_validation_end(self, trainer, pl_module) -> None:
-            if not trainer.sanity_checking:
-                loss = trainer.callback_metrics.get("val/loss")
-                self.snapshots.setdefault(("val", trainer.global_step), float(loss) if loss is not None else math.nan)
+            loss = trainer.callback_metrics.get("val/loss")
+            if not trainer.sanity_checking and loss is not None:
+                self.val.setdefault(trainer.global_step, float(loss))
 
     class EvalTimer(GenerationEvaluation):
         def evaluate(self, trainer, pl_module, monitorable: bool = True):
@@ -252,13 +250,13 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for entry in evaluation.history:
         step = int(entry["step"])
-        opt_s, wall_s, refreshes = clock.snapshots.get(step, (math.nan, math.nan, math.nan))
+        opt_s, wall_s, refreshes, g_descent, g_rms = clock.snapshots.get(step, (math.nan,) * 5)
         rows.append(
             {
                 "config": run.config,
-                "optimizer": optimizer,
-                "period": period,
-                "rownorm_scale": scale,
+                "optimizer": arm.optimizer,
+                "period": arm.period,
+                "rownorm_scale": arm.scale,
                 "lr": run.lr,
                 "seed": run.seed,
                 "step": step,
@@ -267,32 +265,50 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "recall": entry.get("eval/recall_digits"),
                 "density": entry.get("eval/density_digits"),
                 "coverage": entry.get("eval/coverage_digits"),
-                "val_loss": clock.snapshots.get(("val", step), math.nan),
+                "val_loss": clock.val.get(step, math.nan),
                 "optimizer_seconds": opt_s,
                 "wall_seconds": wall_s,
-                "role": run.role,
+                "arm": arm.name,
+                "role": "sweep" if run.seed == args.seed0 else "seeds",
                 "device": args.device_label,
-                "variant": run.variant,
                 "refreshes": refreshes,
+                "gamma_descent": g_descent,
+                "gamma_rms": g_rms,
             }
         )
     return rows
 
 
+def muon_state(optimizer) -> tuple[float, float, float]:
+    """(NS5 refreshes per Muon matrix, mean descent-matched γ, mean RMS-matched γ) — the γ means only where the
+    optimizer measured them (``rownorm_scale="auto"`` / ``"auto_rms"``), NaN elsewhere; 0 refreshes for AdamW."""
+    import re
+
+    import torch
+
+    if not hasattr(optimizer, "refresh_counts"):
+        return 0.0, math.nan, math.nan
+    counts = optimizer.refresh_counts()
+    groups = [v for k, v in counts.items() if re.fullmatch(r"group\d+", k)]
+    per_matrix = sum(groups) / max(1, len(counts) - len(groups))
+    scales = [s["refresh_scales"] for s in optimizer.state.values() if "refresh_scales" in s]
+    if not scales:
+        return per_matrix, math.nan, math.nan
+    descent, rms = torch.stack(scales).mean(0).tolist()
+    return per_matrix, descent, rms
+
+
 def budget(config: str, args: argparse.Namespace) -> tuple[int, int]:
-    """(steps, evaluation period) of ``config``: ``--steps`` / ``--eval-every`` or the config's default, 4 evals."""
-    steps = args.steps or CONFIGS[config]["steps"]
-    return steps, args.eval_every or max(1, steps // 4)
+    """(steps, evaluation period) of ``config``: ``--steps`` / ``--eval-every`` or the config's defaults."""
+    return args.steps or CONFIGS[config]["steps"], args.eval_every or CONFIGS[config]["eval_every"]
 
 
-def _worker(payload: tuple[Run, dict]) -> list[dict[str, Any]]:
+def _worker(run: Run, ns: dict) -> list[dict[str, Any]]:
+    import logging
     import warnings
 
     warnings.filterwarnings("ignore")
-    import logging
-
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    run, ns = payload
     return train_one(run, argparse.Namespace(**ns))
 
 
@@ -314,98 +330,133 @@ def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
-def final_val_loss(rows: list[dict[str, Any]], key: tuple) -> float:
-    mine = [r for r in rows if run_key(r) == key]
-    last = max(mine, key=lambda r: int(r["step"]), default=None)
-    return float(last["val_loss"]) if last and last["val_loss"] not in ("", "nan") else math.inf
+def _f(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
-def chosen_lr(rows: list[dict[str, Any]], config: str, arm: str, args: argparse.Namespace) -> float:
-    """The swept learning rate with the lowest final validation loss (seed ``args.seed0``)."""
-    _, period, scale = ARMS[arm]
-    candidates = [Run(config, arm, period, scale, lr, args.seed0, "sweep") for lr in args.lrs[arm]]
-    return min(candidates, key=lambda r: final_val_loss(rows, r.key)).lr
+def best_val_loss(rows: list[dict[str, Any]], key: tuple) -> float:
+    """The lowest validation loss a run reached (inf for a run that diverged or is missing)."""
+    losses = [_f(r["val_loss"]) for r in rows if run_key(r) == key]
+    losses = [x for x in losses if math.isfinite(x)]
+    return min(losses, default=math.inf)
 
 
-def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[list[Run], list[Run]]:
-    """(sweep runs, runs that depend on the chosen learning rates); the second list is only final once every
-    sweep run is done."""
-    sweep, later = [], []
-    for config in args.configs:
-        for arm, (_, period, scale) in ARMS.items():
-            sweep += [Run(config, arm, period, scale, lr, args.seed0, "sweep") for lr in args.lrs[arm]]
-    for config in args.configs:
-        for arm, (_, period, scale) in ARMS.items():
-            lr = chosen_lr(rows, config, arm, args)
-            later += [Run(config, arm, period, scale, lr, args.seed0 + s, "seeds") for s in range(1, args.seeds)]
-    if args.ablations:
-        config, lr = args.configs[0], chosen_lr(rows, args.configs[0], "periodic", args)
-        for seed in range(args.seed0, args.seed0 + args.ablation_seeds):
-            later += [Run(config, "periodic", k, 0.15, lr, seed, "ablation_k") for k in args.periods]
-            later += [Run(config, "periodic", 3, g, lr, seed, "ablation_gamma") for g in args.scales]
-    config = args.configs[0]
-    for arm in ("muon", "periodic"):
-        _, period, scale = ARMS[arm]
-        lr = chosen_lr(rows, config, arm, args)
-        for variant in [v for v in args.variants if arm in VARIANTS[v][0]]:
-            seeds = range(args.seed0, args.seed0 + args.seeds)
-            later += [Run(config, arm, period, scale, lr, seed, "variants", variant) for seed in seeds]
-    return sweep, later
+@dataclasses.dataclass
+class Sweep:
+    """One arm's lr sweep on seed 0: its runs so far and, once they are all done, the chosen lr (and whether that
+    still sits at the edge of the grid because ``--max-extend`` ran out)."""
+
+    runs: list[Run]
+    chosen: float | None
+    at_edge: bool = False
 
 
-def execute(runs: list[Run], rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path) -> None:
-    """Train every run whose rows are not in the CSV yet (``--jobs`` in parallel), appending rows as runs end."""
+def sweep(rows: list[dict[str, Any]], done: set, config: str, arm: Arm, args: argparse.Namespace) -> Sweep:
+    lrs = sorted(args.lrs_muon if arm.is_muon else args.lrs_adamw)
+    for extension in range(args.max_extend + 1):
+        runs = [Run(config, arm, lr, args.seed0) for lr in lrs]
+        if any(r.key not in done for r in runs):
+            return Sweep(runs, None)
+        best = min(lrs, key=lambda lr: best_val_loss(rows, Run(config, arm, lr, args.seed0).key))
+        if best not in (lrs[0], lrs[-1]):
+            return Sweep(runs, best)
+        if extension < args.max_extend:
+            lrs = [lrs[0] / 2, *lrs] if best == lrs[0] else [*lrs, lrs[-1] * 2]
+    return Sweep(runs, best, at_edge=True)
+
+
+@dataclasses.dataclass
+class Plan:
+    """Every run known to be needed so far, the sweeps, and the arms reported with seeds (name → arm)."""
+
+    runs: list[Run]
+    sweeps: dict[tuple[str, str], Sweep]
+    reported: dict[str, list[Arm]]
+    best_gamma: dict[str, float | None]
+
+
+def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> Plan:
     done = {run_key(r) for r in rows}
-    todo, seen = [], set()
-    for run in runs:
-        if run.key not in done and run.key not in seen:
-            todo.append(run)
-            seen.add(run.key)
-    if not todo:
-        return
+    runs, sweeps, reported, best_gamma = [], {}, {}, {}
+    for config in args.configs:
+        base = [ADAMW, MUON, *(periodic(3, g) for g in args.gammas), *(periodic(3, s) for s in args.auto)]
+        for arm in base:
+            sweeps[config, arm.name] = sweep(rows, done, config, arm, args)
+        grid = {g: sweeps[config, periodic(3, g).name] for g in args.gammas}
+        best_gamma[config] = None
+        if all(s.chosen is not None for s in grid.values()):
+            scored = {
+                g: best_val_loss(rows, Run(config, periodic(3, g), s.chosen, args.seed0).key) for g, s in grid.items()
+            }
+            best_gamma[config] = gamma = min(scored, key=scored.get)
+            for k in (k for k in args.periods if k != 3):
+                sweeps[config, periodic(k, gamma).name] = sweep(rows, done, config, periodic(k, gamma), args)
+        reported[config] = [ADAMW, MUON]
+        reported[config] += [periodic(3, g) for g in sorted({PAPER_GAMMA, best_gamma[config] or PAPER_GAMMA})]
+        reported[config] += [periodic(3, s) for s in args.auto]
+        if best_gamma[config] is not None:
+            reported[config] += [periodic(k, best_gamma[config]) for k in args.periods if k != 3]
+        for (c, _), s in sweeps.items():
+            if c == config:
+                runs += s.runs
+        for arm in reported[config]:
+            s = sweeps.get((config, arm.name))
+            if s is not None and s.chosen is not None:
+                runs += [Run(config, arm, s.chosen, args.seed0 + i) for i in range(1, args.seeds)]
+    return Plan(runs, sweeps, reported, best_gamma)
+
+
+def execute(rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path) -> None:
+    """Train every planned run whose rows are not in the CSV (``--jobs`` at a time), appending each run's rows as it
+    ends and planning again: sweep extensions, K sweeps and seeds start as soon as their inputs are known."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from multiprocessing import get_context
+
     from tqdm.auto import tqdm
 
     ns = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
-    payloads = [(run, ns) for run in todo]
-    bar = tqdm(total=len(todo), desc="runs", unit="run")
-    if args.jobs <= 1:
-        results = map(_worker, payloads)
-    else:
-        import multiprocessing as mp
-
-        pool = mp.get_context("spawn").Pool(args.jobs)
-        results = pool.imap_unordered(_worker, payloads)
-    for new_rows in results:
-        append_rows(csv_path, new_rows)
-        rows.extend({k: str(v) for k, v in r.items()} for r in new_rows)
-        bar.update()
+    running: dict = {}
+    bar = tqdm(desc="runs", unit="run")
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
+        while True:
+            done = {run_key(r) for r in rows} | {run.key for run in running.values()}
+            todo = list({r.key: r for r in plan(rows, args).runs if r.key not in done}.values())
+            for run in todo[: args.jobs - len(running)]:
+                running[pool.submit(_worker, run, ns)] = run
+            bar.total = bar.n + len(running) + len(todo) - min(len(todo), args.jobs)
+            bar.refresh()
+            if not running:
+                break
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                running.pop(future)
+                new_rows = future.result()
+                append_rows(csv_path, new_rows)
+                rows.extend({k: str(v) for k, v in r.items()} for r in new_rows)
+                bar.update()
     bar.close()
-    if args.jobs > 1:
-        pool.close()
-        pool.join()
 
 
 # --------------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="≤ 10 min smoke version (tiny budget, 1 config)")
+    parser.add_argument("--quick", action="store_true", help="a few minutes' smoke version (tiny budget and grids)")
     parser.add_argument("--out", default="benchmarks/results", help="quality_study.csv / .md / PNGs go here")
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["digits8"], choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: per config)")
-    parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: steps / 4)")
+    parser.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps (default: per config)")
     parser.add_argument("--samples", type=int, default=500, help="generated images per evaluation")
     parser.add_argument("--inference-steps", type=int, default=10, help="sampler steps per generated image")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm at the chosen learning rate")
-    parser.add_argument("--ablation-seeds", type=int, default=2)
-    parser.add_argument("--no-ablations", dest="ablations", action="store_false")
-    parser.add_argument(
-        "--variants",
-        nargs="*",
-        default=[v for v in VARIANTS if v != "ns5"],
-        choices=[v for v in VARIANTS if v != "ns5"],
-        help="optimizer variants compared with 'baseline' (the default, trained beside them) at K=1 and K=3 "
-        "(none: --variants with no value)",
-    )
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per reported arm at its chosen learning rate")
+    parser.add_argument("--lrs-muon", type=float, nargs="+", default=[0.0025, 0.005, 0.01, 0.02], help="initial grid")
+    parser.add_argument("--lrs-adamw", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3], help="initial grid")
+    parser.add_argument("--max-extend", type=int, default=3, help="grid extensions per sweep at its edge")
+    parser.add_argument("--gammas", type=float, nargs="+", default=[0.075, 0.15, 0.3, 0.6, 1.2], help="K=3 γ grid")
+    parser.add_argument("--periods", type=int, nargs="+", default=[2, 3, 4, 6], help="K at the best γ")
+    parser.add_argument("--auto", nargs="*", default=["auto", "auto_rms"], choices=["auto", "auto_rms"])
     parser.add_argument("--seed0", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=2, help="parallel runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
@@ -420,12 +471,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
-        args.configs, args.steps, args.eval_every, args.samples, args.inference_steps = ["digits8"], 40, 20, 100, 4
-        args.seeds, args.ablation_seeds, args.periods, args.scales = 2, 1, (1, 3), (0.15,)
-        args.variants = [v for v in ("baseline", "turbo_muon", "adaptive") if v in args.variants]
-        args.lrs = {"adamw": (1e-3, 3e-3), "muon": (0.02, 0.05), "periodic": (0.02, 0.05)}
-    else:
-        args.periods, args.scales, args.lrs = PERIODS, SCALES, LRS
+        args.steps, args.eval_every, args.samples, args.inference_steps, args.seeds = 40, 20, 100, 4, 2
+        args.lrs_muon, args.lrs_adamw, args.max_extend = [0.02, 0.04], [2e-3, 4e-3], 0
+        args.gammas, args.periods, args.auto = [0.15, 0.3], [3, 6], ["auto"]
+    args.gammas = [round(g, 6) for g in args.gammas]
     args.command = "python benchmarks/quality_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
     args.machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.device}"
     args.device_label = args.device
@@ -438,17 +487,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--report-only: {csv_path} has no rows; run the study first.")
     if rows and not set(COLUMNS) <= set(rows[0]):
         parser.error(f"{csv_path} lacks columns {sorted(set(COLUMNS) - set(rows[0]))}; it is not this study's CSV.")
-    if not args.report_only:
-        sweep, _ = plan(rows, args)
-        execute(sweep, rows, args, csv_path)
-        _, later = plan(rows, args)  # the chosen learning rates are known now
-        execute(later, rows, args, csv_path)
-    args.planned = len({run.key for run in [r for part in plan(rows, args) for r in part]})
     provenance = out / "quality_study.json"
-    if args.report_only and provenance.is_file():  # the page keeps naming the command that trained the runs
+    if not args.report_only:
+        provenance.write_text(json.dumps({"command": args.command, "machine": args.machine}))
+        execute(rows, args, csv_path)
+    elif provenance.is_file():  # the page keeps naming the command that trained the runs
         vars(args).update(json.loads(provenance.read_text()))
-    provenance.write_text(json.dumps({"command": args.command, "machine": args.machine}))
-    print(report(rows, args, out))
+    print(report(rows, plan(rows, args), args, out))
 
 
 if __name__ == "__main__":
