@@ -152,7 +152,12 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
         lines += gamma_section(study, out_dir)
         lines += period_table(study)
         plot_curves(study, out_dir)
-        lines += [f"![FD vs step]({PLOTS}{config}_fd_vs_step.png) ![FD vs wall]({PLOTS}{config}_fd_vs_wall.png)", ""]
+        plot_ablations(study, out_dir)
+        lines += [
+            f"![FD vs step]({PLOTS}{config}_fd_vs_step.png) ![FD vs wall]({PLOTS}{config}_fd_vs_wall.png)",
+            f"![best FD against γ and K]({PLOTS}{config}_ablations.png)",
+            "",
+        ]
     text = "\n".join(lines) + "\n"
     (out_dir / "quality_study.md").write_text(text)
     return text
@@ -171,8 +176,9 @@ def sweep_table(study: Study) -> list[str]:
         cells = []
         for run in sweep.runs:
             v = study.runs.get(run.key)
-            loss = min((_f(r["val_loss"]) for r in v), default=math.nan) if v else math.nan
-            cells.append(f"{run.lr:g}: {loss:.4f}{'*' if run.lr == sweep.chosen else ''}")
+            finite = [x for x in (_f(r["val_loss"]) for r in v or []) if math.isfinite(x)]
+            loss = "not run yet" if not v else f"{min(finite):.4f}" if finite else "diverged"
+            cells.append(f"{run.lr:g}: {loss}{'*' if run.lr == sweep.chosen else ''}")
         interior = "—" if sweep.chosen is None else ("no (grid extensions ran out)" if sweep.at_edge else "yes")
         chosen = f"{sweep.chosen:g}" if sweep.chosen is not None else "sweep not finished"
         lines.append(f"| {name} | {', '.join(cells)} | {chosen} | {interior} |")
@@ -188,11 +194,12 @@ def main_table(study: Study) -> list[str]:
         "step of best FD (last eval) | precision | recall | optimizer ms/step | step ms |",
         "|---|---:|---:|---:|---:|---|---:|---:|---|---|---:|---:|---:|---:|",
     ]
-    not_before_last = []
+    not_before_last, shown = [], 0
     for arm in study.plan.reported[study.config]:
         s = study.stats(arm)
         if not s:
             continue
+        shown += 1
         col = {key: mean_se([x[key] for x in s]) for key in s[0]}
         fd, vl = [x["best_fd"] for x in s], [x["val_loss"] for x in s]
         at_last = [x for x in s if x["best_step"] == x["last_step"]]
@@ -210,8 +217,8 @@ def main_table(study: Study) -> list[str]:
     if not_before_last:
         too_short = ", ".join(not_before_last)
         lines.append(f"Best FD at the last evaluation (the budget may be too short for them): {too_short}.")
-    else:
-        lines.append("Every reported arm reached its best FD before the last evaluation.")
+    elif shown:
+        lines.append("Every arm above reached its best FD before the last evaluation.")
     return lines + [""]
 
 
@@ -294,6 +301,34 @@ def gamma_section(study: Study, out_dir: Path) -> list[str]:
     return lines + ["", f"![γ × lr]({PLOTS}{study.config}_gamma_lr.png)", ""]
 
 
+def plot_ablations(study: Study, out_dir: Path) -> None:
+    """Best FD (mean ± 2 SE over seeds) against γ at K=3 and against K at the best γ, each at its own lr."""
+    gamma = study.plan.best_gamma.get(study.config)
+    if gamma is None:
+        return
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    panels = (
+        (
+            "γ (K=3)",
+            [(f"{g:g}", periodic(3, g)) for g in study.args.gammas] + [(s, periodic(3, s)) for s in study.args.auto],
+        ),
+        (
+            f"K (γ={gamma:g})",
+            [(str(k), MUON if k == 1 else periodic(k, gamma)) for k in sorted({1, *study.args.periods})],
+        ),
+    )
+    for ax, (name, arms) in zip(axes, panels):
+        points = [(label, mean_se(study.column(arm, "best_fd"))) for label, arm in arms if study.stats(arm)]
+        ax.errorbar(
+            [p[0] for p in points], [p[1][0] for p in points], yerr=[2 * p[1][1] for p in points], fmt="o", capsize=3
+        )
+        ax.set(xlabel=name, ylabel="best digits FD at its own lr", title=f"{study.config}: {name}")
+    fig.tight_layout()
+    fig.savefig(out_dir / f"{PLOTS}{study.config}_ablations.png")
+    plt.close(fig)
+
+
 def period_table(study: Study) -> list[str]:
     gamma = study.plan.best_gamma.get(study.config)
     if gamma is None:
@@ -349,10 +384,14 @@ def plot_heatmap(study: Study, out_dir: Path) -> None:
                     grid[i, j] = summarize(run)[key]
         image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
         fig.colorbar(image, ax=ax)
+        low, high = np.nanmin(grid), np.nanmax(grid)
         for i, g in enumerate(gammas):
             for j in range(len(lrs)):
                 if not np.isnan(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="w")
+                    light = (grid[i, j] - low) < 0.5 * (high - low)  # viridis_r: low values are yellow
+                    ax.text(
+                        j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7, color="k" if light else "w"
+                    )
             chosen = study.lr(periodic(3, g))
             if chosen is not None and round(chosen, 10) in lrs:
                 j = lrs.index(round(chosen, 10))
