@@ -424,9 +424,10 @@ def execute(rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path
         while True:
             done = {run_key(r) for r in rows} | {run.key for run in running.values()}
             todo = list({r.key: r for r in plan(rows, args).runs if r.key not in done}.values())
-            for run in todo[: args.jobs - len(running)]:
+            free = args.jobs - len(running)
+            for run in todo[:free]:
                 running[pool.submit(_worker, run, ns)] = run
-            bar.total = bar.n + len(running) + len(todo) - min(len(todo), args.jobs)
+            bar.total = bar.n + len(running) + len(todo[free:])
             bar.refresh()
             if not running:
                 break
