@@ -370,7 +370,8 @@ def sweep(rows: list[dict[str, Any]], done: set, config: str, arm: Arm, args: ar
 
 @dataclasses.dataclass
 class Plan:
-    """Every run known to be needed so far, the sweeps, and the arms reported with seeds (name → arm)."""
+    """Every run known to be needed so far, the sweeps by (config, arm name), the arms reported with seeds and the
+    best γ of the K=3 grid (None until its sweeps are done), per config."""
 
     runs: list[Run]
     sweeps: dict[tuple[str, str], Sweep]
