@@ -347,7 +347,7 @@ def refresh_scales(N: Tensor, U: Tensor, eps: float = 1e-7) -> Tensor:
     """
     n, u = N.float(), U.float()
     rows = torch.linalg.vector_norm(n, dim=row_norm_dim(n.shape)).sum()
-    descent = (n * u).sum() / rows.clamp_min(eps)
+    descent = torch.dot(n.reshape(-1), u.reshape(-1)) / rows.clamp_min(eps)
     rms = torch.linalg.vector_norm(u) / math.sqrt(min(n.shape))
     return torch.stack([descent, rms])
 
@@ -384,14 +384,21 @@ def rownorm_update_(
     scale: float | Tensor,
     eps: float,
     ok: Tensor | None = None,
+    gamma: float | Tensor = 1.0,
 ) -> None:
     r"""One RowNorm step in place: :math:`M \leftarrow \beta M + (1-\beta)G`, :math:`N` (written over ``G``),
-    :math:`W \leftarrow \text{decay}\cdot W + \text{scale}\cdot N / \max(\sqrt{\text{sumsq}}, \varepsilon)`.
+    :math:`W \leftarrow \text{decay}\cdot W + \gamma\cdot\text{scale}\cdot N / \max(\sqrt{\text{sumsq}},
+    \varepsilon)`. A tensor ``scale`` or ``gamma`` (a tensor lr; a calibrated γ) divides the row-sized denominator
+    instead, so W still sees one pass.
 
     With a device verdict ``ok`` (False: a non-finite gradient somewhere) every write is an identity: ``G`` is
     replaced by ``M`` (so ``M`` and ``N`` stay finite), the denominator by inf and the decay by 1.
     """
     den = sumsq.sqrt().clamp_min(eps)
+    if isinstance(gamma, Tensor):
+        den = den / gamma
+    else:
+        scale = scale * gamma
     if ok is not None:
         G = torch.where(ok, G, M)
         den = torch.where(ok, den, float("inf"))
@@ -401,7 +408,7 @@ def rownorm_update_(
     if isinstance(decay, Tensor) or decay != 1.0:
         W.mul_(decay)
     if isinstance(scale, Tensor):
-        W.add_(N / den * scale)
+        W.addcdiv_(N, den / scale)
     else:
         W.addcdiv_(N, den, value=scale)
 

@@ -380,7 +380,7 @@ class PeriodicRowwiseMuon(Optimizer):
             state, weight = work.states[r.index], work.weights[r.index]
             gamma = rownorm_gamma(group, state, weight)
             update(weight, local(state["momentum_buffer"]), work.grads[r.index], r.sumsq, group["momentum"],
-                   group["nesterov"], decay, scale * gamma, group["ns_eps"], ok)  # fmt: skip
+                   group["nesterov"], decay, scale, group["ns_eps"], ok, gamma)  # fmt: skip
 
 
 def _named_grads(works: list[_Work]) -> list[tuple[str, Tensor]]:

@@ -77,7 +77,8 @@ def rownorm_gamma(group: dict, state: dict, weight: Tensor) -> float | Tensor:
     """The γ of a matrix's RowNorm step: the group's number, or its calibrated γ (a 0-d device tensor)."""
     gamma = group["rownorm_scale"]
     if isinstance(gamma, str):
-        return refresh_scales_of(state, weight)[AUTO_SCALES[gamma]] * group["auto_scale_multiplier"]
+        calibrated, multiplier = refresh_scales_of(state, weight)[AUTO_SCALES[gamma]], group["auto_scale_multiplier"]
+        return calibrated if multiplier == 1.0 else calibrated * multiplier
     return gamma
 
 

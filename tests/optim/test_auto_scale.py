@@ -77,7 +77,7 @@ def test_a_rownorm_step_uses_the_gamma_of_the_last_refresh(kind):
         dim = -1 if n2.shape[0] <= n2.shape[1] else -2
         rownorm = n2 / n2.norm(dim=dim, keepdim=True)
         s = max(1.0, n2.shape[0] / n2.shape[1]) ** 0.5
-        stored = opt.state[p]["refresh_scales"]  # float32, as the step reads it
+        stored = opt.state[p]["refresh_scales"].double()  # the float32 values the step reads, in float64 arithmetic
         want = w1 + rownorm * ((-0.02 * s) * (stored[column] * 0.5))
         torch.testing.assert_close(p.detach(), want, rtol=1e-9, atol=1e-12)
         other = w1 + rownorm * ((-0.02 * s) * (stored[1 - column] * 0.5))
