@@ -24,7 +24,7 @@ Resumable: runs whose rows are in the CSV are not trained again, and each finish
 plan is recomputed after every run (extensions, the K sweeps and the seeds start as soon as what they depend on is
 known). ``--jobs`` trains runs in parallel processes (``--threads`` each).
 
-    python benchmarks/quality_study.py                 # the default study (hours on 2 CPU cores; resumable)
+    python benchmarks/quality_study.py                 # the default study (82 minutes on 2 CPU cores; resumable)
     python benchmarks/quality_study.py --report-only   # quality_study.md and the plots from the CSV
     python benchmarks/quality_study.py --quick         # a few minutes' smoke version (the test runs it)
     python benchmarks/quality_study.py --configs digits16 --jobs 8 --device cuda   # the larger configuration on a GPU
