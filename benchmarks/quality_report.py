@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from quality_study import MUON, PAPER_GAMMA, PLOTS, Arm, Plan, _f, budget, periodic, run_key
+from quality_study import MUON, PAPER_GAMMA, PLOTS, Arm, Plan, _f, budget, lowest_val_loss, periodic, run_key
 
 #: time-to-target: the targets are these multiples of Muon's mean best FD (on the descent; within 10% of the best)
 TARGETS_OF_MUON = (2.0, 1.1)
@@ -75,12 +75,12 @@ def fd_at(run_rows: list[dict[str, Any]], wall: float) -> float:
 def summarize(run_rows: list[dict[str, Any]]) -> dict[str, float]:
     best = min(run_rows, key=lambda r: _f(r["fd"]) if math.isfinite(_f(r["fd"])) else math.inf)
     last, steps = run_rows[-1], int(run_rows[-1]["step"])
-    losses = [_f(r["val_loss"]) for r in run_rows if math.isfinite(_f(r["val_loss"]))]
+    val_loss = lowest_val_loss(run_rows)
     return {
         "best_fd": _f(best["fd"]),
         "best_step": int(best["step"]),
         "last_step": steps,
-        "val_loss": min(losses, default=math.nan),
+        "val_loss": val_loss if math.isfinite(val_loss) else math.nan,
         "precision": _f(best["precision"]),
         "recall": _f(best["recall"]),
         "wall_to_best": _f(best["wall_seconds"]),
@@ -176,8 +176,8 @@ def sweep_table(study: Study) -> list[str]:
         cells = []
         for run in sweep.runs:
             v = study.runs.get(run.key)
-            finite = [x for x in (_f(r["val_loss"]) for r in v or []) if math.isfinite(x)]
-            loss = "not run yet" if not v else f"{min(finite):.4f}" if finite else "diverged"
+            lowest = lowest_val_loss(v) if v else math.nan
+            loss = "not run yet" if not v else f"{lowest:.4f}" if math.isfinite(lowest) else "diverged"
             cells.append(f"{run.lr:g}: {loss}{'*' if run.lr == sweep.chosen else ''}")
         interior = "—" if sweep.chosen is None else ("no (grid extensions ran out)" if sweep.at_edge else "yes")
         chosen = f"{sweep.chosen:g}" if sweep.chosen is not None else "sweep not finished"

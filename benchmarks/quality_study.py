@@ -337,11 +337,14 @@ def _f(value: Any) -> float:
         return math.nan
 
 
+def lowest_val_loss(run_rows: list[dict[str, Any]]) -> float:
+    """The lowest finite validation loss among one run's rows (inf: the run diverged or has no rows)."""
+    return min((x for x in (_f(r["val_loss"]) for r in run_rows) if math.isfinite(x)), default=math.inf)
+
+
 def best_val_loss(rows: list[dict[str, Any]], key: tuple) -> float:
-    """The lowest validation loss a run reached (inf for a run that diverged or is missing)."""
-    losses = [_f(r["val_loss"]) for r in rows if run_key(r) == key]
-    losses = [x for x in losses if math.isfinite(x)]
-    return min(losses, default=math.inf)
+    """The lowest validation loss the run ``key`` reached (inf for a run that diverged or is missing)."""
+    return lowest_val_loss([r for r in rows if run_key(r) == key])
 
 
 @dataclasses.dataclass
