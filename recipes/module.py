@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
+from lightning_muon import PeriodicRowwiseMuon, device, muon_param_groups
 from lightning_muon.optim.config import MuonConfig, keys
 from lightning_muon.recipes.networks import (
     TINY_DIT,
@@ -275,7 +275,7 @@ class DiTModule(L.LightningModule):
         cond = {k: batch[k] for k in keys if k in batch}
         if drop and self.hparams.cfg_dropout > 0:
             n = len(next(iter(cond.values())))
-            mask = torch.rand(n, generator=generator).to(self.device) < self.hparams.cfg_dropout
+            mask = torch.rand(n, generator=generator, device=self.device) < self.hparams.cfg_dropout
             null = self._null(cond)
             cond = {k: torch.where(mask.view(-1, *[1] * (v.ndim - 1)), null[k], v) for k, v in cond.items()}
         return cond
@@ -308,23 +308,26 @@ class DiTModule(L.LightningModule):
         return self._ddpm_scheduler
 
     def _step_generator(self) -> torch.Generator:
-        """Noise, timesteps and condition dropout of a training step come from a generator seeded by (global step,
-        rank), not from the global RNG: a resumed run draws exactly what the uninterrupted one drew."""
+        """Noise, timesteps and condition dropout of a training step come from a generator on the module's device
+        seeded by (global step, rank), not from the global RNG: a resumed run draws exactly what the uninterrupted one
+        drew, and the draws are made on the device (no pageable host-to-device copy stalling the CPU each step)."""
         rank = self.trainer.global_rank if self._trainer is not None else 0
-        return torch.Generator().manual_seed(1_000_003 * self.global_step + rank)
+        return device.generator(self.device, 1_000_003 * self.global_step + rank)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         x0 = self._clean(batch)
         g = self._step_generator()
         cond = self._conditions(batch, drop=True, generator=g)
-        noise = torch.randn(x0.shape, generator=g).to(x0)
+        noise = torch.randn(x0.shape, generator=g, device=self.device).to(x0.dtype)
         if self.hparams.timestep_sampling == "logit_normal" and self.hparams.objective == "flow":
             from diffusers.training_utils import compute_density_for_timestep_sampling
 
             # SD3's logit-normal: t = sigmoid(u), u ~ N(0, 1)
-            t = compute_density_for_timestep_sampling("logit_normal", len(x0), 0.0, 1.0, generator=g).to(self.device)
+            t = compute_density_for_timestep_sampling(
+                "logit_normal", len(x0), 0.0, 1.0, device=self.device, generator=g
+            )
         else:
-            t = torch.rand(len(x0), generator=g).to(self.device)
+            t = torch.rand(len(x0), generator=g, device=self.device)
         loss = self.loss(self.model, x0, cond, t, noise)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss

@@ -204,6 +204,7 @@ class PeriodicRowwiseMuon(Optimizer):
             ValueError: naming the first group or parameter whose branch, hyperparameter or state shape is wrong.
         """
         check_layout(state_dict, self.param_groups)
+        self._schedules["adaptive"].forget()
         for g, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups)):
             check_saved_group(g, {**saved, "params": group["params"]})
         super().load_state_dict(state_dict)
@@ -213,6 +214,11 @@ class PeriodicRowwiseMuon(Optimizer):
             fill_group_defaults(group)
             group["step"] = int(group["step"])  # a distributed checkpoint may hand back a tensor
             check_group(group)  # ns_dtype by name
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, after the adaptive schedule's drifts still on their way to the host have landed."""
+        self._schedules["adaptive"].settle_all(self.state.values())
+        return super().state_dict()
 
     @property
     def nonfinite_steps_skipped(self) -> int:

@@ -99,6 +99,8 @@ def write_refresh(
     for it, value in zip(items, scales):
         if it.scales is not None:
             it.scales.copy_(value if ok is None else torch.where(ok, value, it.scales))
+    # in the weights' dtype: torch's multi-tensor kernels take their fast path on CUDA only for same-dtype lists
+    orthos = [o.to(it.weight.dtype) for it, o in zip(items, orthos)]
     if ok is not None:
         m_news = [torch.where(ok, m, it.momentum) for it, m in zip(items, m_news)]
         orthos = [torch.where(ok, o, 0) for o in orthos]
@@ -115,8 +117,8 @@ def write_refresh(
         if isinstance(decay, Tensor) or decay != 1.0:
             scale_(weights, decay, ok)
         if isinstance(scale, Tensor):
-            torch._foreach_add_(weights, [orthos[j].float() * scale for j in index])
-        else:  # the multi-tensor add casts bf16 -> fp32 on the fly (a plain mixed-dtype add_ is slower)
+            torch._foreach_add_(weights, [orthos[j] * scale for j in index])
+        else:
             torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
 
 

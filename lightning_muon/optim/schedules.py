@@ -15,11 +15,14 @@ Layer-wise K and γ need no schedule of their own: groups carry their own ``peri
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_muon import device
+from lightning_muon.device import HostCopy
 from lightning_muon.optim.kernels import compiled_rownorm_kernels, drift_sums, lookahead, rownorm_sumsq
 from lightning_muon.optim.shards import local
 
@@ -60,13 +63,14 @@ class AdaptiveSchedule(FixedSchedule):
 
     The drift is measured on RowNorm steps from sums that ride the statistics all-reduce (identical on every rank,
     no extra collective). State per matrix: R (one shard-sized buffer) and host counters, all checkpointed. On CUDA
-    the drift reaches the host asynchronously (an event recorded after the copy, waited on at the next plan).
+    the drift and the step's verdict reach the host together, asynchronously (:class:`~lightning_muon.device.HostCopy`,
+    read at the next plan): nothing on the host is written by a copy in flight, and nothing travels to the device.
     """
 
     measures_drift = True
 
     def __init__(self) -> None:
-        self._ready: dict[int, torch.cuda.Event] = {}
+        self._pending: dict[int, HostCopy] = {}  # per matrix state: [drift, ok] of its last measured step
 
     def init_state(self, state: dict[str, Any], param: Tensor) -> None:
         state["refresh_momentum"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -84,10 +88,27 @@ class AdaptiveSchedule(FixedSchedule):
             return True
         if age < group["min_period"]:
             return False
-        ready = self._ready.pop(id(state), None)
-        if ready is not None:
-            ready.synchronize()
+        self.settle(state)
         return float(state["refresh_drift"]) > group["drift_threshold"]
+
+    def settle(self, state: dict[str, Any]) -> None:
+        """Take a matrix's drift from its last measured step into ``state`` once the copy has landed on the host
+        (queued a step earlier: normally done); that step's verdict came with it, and a skipped step keeps the old
+        drift."""
+        pending = self._pending.pop(id(state), None)
+        if pending is not None:
+            drift, ok = pending.value().tolist()
+            if ok:
+                state["refresh_drift"].fill_(drift)
+
+    def settle_all(self, states: Iterable[dict[str, Any]]) -> None:
+        """:meth:`settle` every matrix (before a state dict is taken)."""
+        for state in states:
+            self.settle(state)
+
+    def forget(self) -> None:
+        """Drop the drifts in flight (a state dict is being loaded over the states they belong to)."""
+        self._pending.clear()
 
     def statistics(self, group, state, momentum, grad, dim, fused):
         """Σ N², and the drift's sums: per column N·R and R² for a tall matrix (partial over ranks), the sum of the
@@ -111,6 +132,7 @@ class AdaptiveSchedule(FixedSchedule):
         measured ones ``(state, drift)`` age by one and hand their drift to the host. A skipped step (``ok`` False)
         keeps the old reference and drift."""
         for state, grad in refreshed:
+            self._pending.pop(id(state), None)
             ref = local(state["refresh_momentum"])
             n = lookahead(local(state["momentum_buffer"]), grad, group["momentum"], group["nesterov"], updated=True)
             ref.copy_(n if ok is None else torch.where(ok, n, ref))
@@ -119,16 +141,11 @@ class AdaptiveSchedule(FixedSchedule):
             state["refreshes"].add_(1)
         for state, drift in measured:
             state["refresh_age"].add_(1)
-            if ok is not None:
-                drift = torch.where(ok, drift, state["refresh_drift"].to(drift.device))
-            if drift.is_cuda:
-                host = torch.empty((), dtype=torch.float32, pin_memory=True)
-                host.copy_(drift, non_blocking=True)
-                self._ready[id(state)] = event = torch.cuda.Event()
-                event.record()
-                state["refresh_drift"] = host
-            else:
-                state["refresh_drift"].copy_(drift)
+            self.settle(state)  # one drift in flight per matrix
+            verdict = torch.ones_like(drift) if ok is None else ok.to(drift.dtype)
+            self._pending[id(state)] = device.copy_to_host(torch.stack([drift, verdict]))
+            if not drift.is_cuda:  # the value is on the host already
+                self.settle(state)
 
 
 def refresh_counts(param_groups: list[dict[str, Any]], states: dict[Tensor, dict[str, Any]]) -> dict[str, int]:

@@ -249,8 +249,7 @@ def scatter_refresh(
         following = to_owners(index_of[b + 1], False) if b + 1 < len(index_of) else None
         sent["work"].wait()
         if b == 0 and flag is not None:
-            ends = torch.tensor(sent["sizes"], device=sent["recv"].device).cumsum(0) - 1
-            ok = flags_ok(sent["recv"][ends])
+            ok = flags_ok(torch.stack([block[-1] for block in sent["recv"].split(sent["sizes"])]))  # views: no copy
             _check(ok, raise_nonfinite, following["work"] if following is not None else None)
         back = to_holders(sent)  # rows of bucket b travel back while bucket b-1 is written and b+1 arrives
         if returning is not None:
