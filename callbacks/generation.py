@@ -21,6 +21,7 @@ from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.evaluation import (
     MetricSuite,
     check_generated_images,
+    metrics_on,
     prepare_references,
     read_prompts,
     real_images_of,
@@ -151,9 +152,7 @@ class GenerationEvaluation(Callback):
         check_protocol(pl_module, Generator, "LightningModule")
         if not self.real_images_dir:
             check_protocol(trainer.datamodule, RealImages, "datamodule")
-        self.metrics = self.suite.build()
-        for metric in self.metrics.values():
-            metric.to(pl_module.device)
+        self.metrics = self.suite.build()  # on the CPU: each evaluation brings them to the GPU and back (metrics_on)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -226,22 +225,23 @@ class GenerationEvaluation(Callback):
         for callback in trainer.callbacks:  # the average this step's checkpoint holds, whatever the callback order
             if isinstance(callback, EMA):
                 callback.update(trainer, pl_module)
-        self._references(trainer)
         desc = f"eval @ step {trainer.global_step}"
-        values, grid, higher_is_better = score_generation(
-            pl_module,
-            self.metrics,
-            self.num_samples,
-            self.num_classes,
-            self.seed,
-            self.num_inference_steps,
-            self.guidance_scale,
-            self.batch_size,
-            self.grid_size,
-            self.progress,
-            desc,
-            self.prompts,
-        )
+        with metrics_on(self.metrics, pl_module.device):
+            self._references(trainer)
+            values, grid, higher_is_better = score_generation(
+                pl_module,
+                self.metrics,
+                self.num_samples,
+                self.num_classes,
+                self.seed,
+                self.num_inference_steps,
+                self.guidance_scale,
+                self.batch_size,
+                self.grid_size,
+                self.progress,
+                desc,
+                self.prompts,
+            )
         self.history.append({"step": trainer.global_step, **values})
         self.higher_is_better.update(higher_is_better)
         publish_scalars(trainer, pl_module, values, monitorable)

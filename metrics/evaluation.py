@@ -9,6 +9,7 @@ forward), padding included and dropped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "Sampling",
     "Scores",
     "check_generated_images",
+    "metrics_on",
     "prepare_references",
     "read_prompts",
     "real_images_of",
@@ -198,6 +200,20 @@ class IndexedImages(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[Tensor, int]:
         return self.share[i], self.rank + i * self.world
+
+
+@contextlib.contextmanager
+def metrics_on(metrics: dict[str, Metric], device: torch.device) -> Iterator[None]:
+    """The metrics — their networks, states and reference statistics — on ``device`` for the block, and back on the
+    CPU after it (also after an error): evaluation networks (DINOv2, CLIP, HPS, a VLM judge) occupy a training GPU
+    only while an evaluation runs."""
+    for metric in metrics.values():
+        metric.to(device)
+    try:
+        yield
+    finally:
+        for metric in metrics.values():
+            metric.to("cpu")
 
 
 def prepare_references(

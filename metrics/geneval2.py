@@ -117,7 +117,8 @@ class SoftTifaJudge(nn.Module):
 
     Args:
         weights: a local directory or a cached hub id (default: the reference's Qwen3-VL-8B-Instruct).
-        dtype: the judge's weights; default bf16 on CUDA, float32 on CPU (cast on first use on a device).
+        dtype: the judge's weights, loaded directly in it; default bf16 where CUDA is available (an 8B judge is
+            ~17 GB there, twice that in float32), else float32.
         batch_size: (image, question) chats per forward pass.
     """
 
@@ -127,9 +128,12 @@ class SoftTifaJudge(nn.Module):
         super().__init__()
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        dtype = dtype or (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
         try:
             self.processor = AutoProcessor.from_pretrained(str(weights), local_files_only=True)
-            self.model = AutoModelForImageTextToText.from_pretrained(str(weights), local_files_only=True)
+            self.model = AutoModelForImageTextToText.from_pretrained(
+                str(weights), local_files_only=True, torch_dtype=dtype
+            )
         except OSError as err:
             raise FileNotFoundError(
                 f"GenEval 2 judge not found at {str(weights)!r}: neither a local directory nor a cached hub id (this "
@@ -138,7 +142,7 @@ class SoftTifaJudge(nn.Module):
             ) from err
         self.processor.tokenizer.padding_side = "left"  # the next token of every chat is at the last position
         self.model.eval().requires_grad_(False)
-        self.dtype, self.batch_size = dtype, batch_size
+        self.batch_size = batch_size
         self.weights = str(weights)
 
     def answer_ids(self, question: str, answer: str) -> list[int]:
@@ -162,9 +166,6 @@ class SoftTifaJudge(nn.Module):
         from PIL import Image
 
         first = next(self.model.parameters())
-        dtype = self.dtype or (torch.bfloat16 if first.device.type == "cuda" else torch.float32)
-        if first.dtype != dtype:
-            self.model.to(dtype)
         out = []
         for start in range(0, len(questions), self.batch_size):
             part = slice(start, start + self.batch_size)
@@ -172,7 +173,7 @@ class SoftTifaJudge(nn.Module):
             batch = self.processor(
                 text=[self.chat(q) for q in questions[part]], images=pictures, padding=True, return_tensors="pt"
             ).to(first.device)
-            batch["pixel_values"] = batch["pixel_values"].to(dtype)
+            batch["pixel_values"] = batch["pixel_values"].to(first.dtype)
             probs = self.model(**batch).logits[:, -1].float().softmax(-1)
             for row, question, answer in zip(probs, questions[part], answers[part]):
                 out.append(row[self.answer_ids(question, answer)].sum())

@@ -83,6 +83,13 @@ class ReferenceCache:
     def set_reference(self, reference: Mapping[str, Tensor]) -> None:
         self.reference = {k: v.to(self.device) for k, v in reference.items()}
 
+    def _apply(self, fn, *args, **kwargs):
+        """``.to(device)`` moves the reference with the states (kept outside them, see the module docstring)."""
+        this = super()._apply(fn, *args, **kwargs)
+        if self.reference is not None:
+            self.set_reference(self.reference)
+        return this
+
     def _check_real_update(self, real: bool) -> None:
         if real and self.reference is not None:
             raise RuntimeError("Reference statistics are loaded: update with generated images only (real=False).")

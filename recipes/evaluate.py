@@ -202,16 +202,21 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def _init_distributed(device: str | None) -> torch.device:
     """Under torchrun (``WORLD_SIZE`` > 1) join the process group — NCCL on GPUs, gloo on CPUs — so generation and
-    the metrics are sharded over ranks as in training; the device of this rank."""
+    the metrics are sharded over ranks as in training; the device of this rank.
+
+    On CUDA this rank's GPU (``LOCAL_RANK``) becomes the current device before the group exists and is bound to it
+    (``device_id``): NCCL collectives, the object collectives (reference statistics, checkpoint metadata) included,
+    run on each rank's own GPU — never all on ``cuda:0``."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available() and device in (None, "cuda")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+    rank_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device(device or "cpu")
     if cuda:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device(device or "cpu")
+        torch.cuda.set_device(rank_device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=rank_device if cuda else None)
+    return rank_device
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, kind: type, **overrides: tuple[Any, type, str]) -> None:
