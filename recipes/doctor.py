@@ -14,8 +14,18 @@ to a JSON file:
   fewer than two).
 - **fused**: the ``torch.compile``-d RowNorm step (``fused=True``) against the eager one.
 - **train step**: one optimizer step of the DiT-XL/2 config with two of its 28 blocks (full width, its per-GPU
-  batch under bf16 autocast; batch 2 on a CPU), and on CUDA ``max_memory_allocated`` against
-  :mod:`lightning_muon.recipes.memory`'s estimate of the same model on one GPU (states + refresh + activations).
+  batch under bf16 autocast; batch 2 on a CPU).
+- **memory** (CUDA): the same step's ``max_memory_allocated`` and that of sampling a batch with guidance (an
+  evaluation's generation), each against :mod:`lightning_muon.recipes.memory`'s estimate of the same model on one
+  GPU; ``FAILED`` above 1.25×.
+- **sharded fit**: ``muon_fsdp`` on 2 ranks under torchrun (the node's GPUs with NCCL and bf16-mixed; gloo CPU
+  ranks on a CPU), K+1 steps in scatter and in gather mode with a NaN planted on one rank at step 2 (every rank must
+  skip it), a distributed checkpoint, and resumes on 2 and on 1 rank; compared with one rank and with an
+  uninterrupted run (bf16 tolerance on CUDA) — :mod:`lightning_muon.recipes.doctor_worker`.
+- **no host sync** (CUDA): the sharded fit's steps after the second under ``torch.cuda.set_sync_debug_mode("error")``.
+- **evaluate**: ``lightning-muon evaluate`` under torchrun on 2 ranks of the sharded fit's checkpoint, 5 samples
+  (not divisible by the world size), against the same evaluation in one process.
+- **failure**: one of 2 ranks raises; the seconds until every rank has exited, its error in the output.
 
     lightning-muon doctor                       # all checks, JSON to lightning_logs/doctor.json
     lightning-muon doctor --skip fused          # leave a check out
@@ -24,17 +34,36 @@ to a JSON file:
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import platform
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-CHECKS = ("versions", "bf16", "optimizer", "ns5", "collectives", "fused", "train step")
+CHECKS = (
+    "versions",
+    "bf16",
+    "optimizer",
+    "ns5",
+    "collectives",
+    "fused",
+    "train step",
+    "memory",
+    "sharded fit",
+    "no host sync",
+    "evaluate",
+    "failure",
+)
+#: the largest ratio of measured peak memory to the estimate that passes
+MEMORY_SLACK = 1.25
 
 
 @dataclass
@@ -213,16 +242,16 @@ def fused(device: torch.device) -> Result:
     return Result("fused", status, f"compiled RowNorm vs eager {rel:.2e} (compile + 6 steps {seconds:.1f} s)", figures)
 
 
-def train_step(device: torch.device, config: str | None = None) -> Result:
-    """One step of the shrunken config; on CUDA the peak memory against the estimate for the same model."""
+def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, dict, float]:
+    """The DiT config cut to two blocks (``None`` for a text-to-image config), one optimizer step of it at its per-GPU
+    batch on CUDA (2 on a CPU): ``(model options, module, figures, seconds)``."""
     from lightning_muon.recipes.cli import CONFIGS, load_config
-    from lightning_muon.recipes.memory import GIB, memory_per_gpu
     from lightning_muon.recipes.module import DiTModule
 
     full = load_config(config or CONFIGS / "dit_xl2_imagenet256.yaml")
     model = {k: v for k, v in full["model"].items() if k not in ("vae_path", "text_encoder_path")}
     if model.get("architecture", "dit") != "dit":
-        return Result("train step", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
+        return model, None, {}, 0.0
     model["model_config"] = {**model["model_config"], "num_layers": 2}
     batch = full["data"]["init_args"]["batch_size"] if device.type == "cuda" else 2
     net = model["model_config"]
@@ -236,8 +265,6 @@ def train_step(device: torch.device, config: str | None = None) -> Result:
         "latents": torch.randn(batch, channels, size, size, device=device),
         "labels": torch.randint(0, model["num_classes"], (batch,), device=device),
     }
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     with (
         warnings.catch_warnings(),  # self.log() outside a Trainer
@@ -248,27 +275,193 @@ def train_step(device: torch.device, config: str | None = None) -> Result:
     loss.backward()
     opt.step()
     _sync(device)
-    seconds = time.perf_counter() - start
-    figures = {"loss": loss.item(), "seconds": seconds, "batch": batch}
-    if not torch.isfinite(loss):
-        return Result("train step", "FAILED", f"non-finite loss {loss.item()}", figures)
-    layers = full["model"]["model_config"].get("num_layers", 28)
-    detail = f"2 of {layers} blocks, batch {batch}: loss {loss.item():.3f}, {seconds:.1f} s"
-    if device.type != "cuda":
-        return Result("train step", "ok", detail + " (memory check needs CUDA)", figures)
-    peak = torch.cuda.max_memory_allocated(device) / GIB
-    shrunk = {"trainer": {"devices": 1}, "model": model, "data": {"init_args": {"batch_size": batch}}}
-    estimate = memory_per_gpu(shrunk)
-    figures["estimate_GiB"] = estimate["states"] + estimate["refresh"] + estimate["activations"]
-    figures["peak_GiB"] = peak
-    detail += (
-        f"; peak {peak:.2f} GiB vs estimate {figures['estimate_GiB']:.2f} GiB ({peak / figures['estimate_GiB']:.2f}×)"
+    figures = {"loss": loss.item(), "seconds": time.perf_counter() - start, "batch": batch, "layers": 2}
+    figures["of_layers"] = full["model"]["model_config"].get("num_layers", 28)
+    return model, module, figures, figures["seconds"]
+
+
+def train_step(device: torch.device, config: str | None = None) -> Result:
+    """One step of the shrunken config."""
+    _, module, figures, seconds = _shrunk_step(device, config)
+    if module is None:
+        return Result("train step", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
+    if not torch.isfinite(torch.tensor(figures["loss"])):
+        return Result("train step", "FAILED", f"non-finite loss {figures['loss']}", figures)
+    detail = (
+        f"2 of {figures['of_layers']} blocks, batch {figures['batch']}: loss {figures['loss']:.3f}, {seconds:.1f} s"
     )
     return Result("train step", "ok", detail, figures)
 
 
-def run_checks(device: torch.device, hiddens: list[int], skip: set[str], config: str | None = None) -> list[Result]:
-    """Every check not in ``skip``; an exception in one is its FAILED row, the others still run."""
+def memory(device: torch.device, config: str | None = None, guidance: float = 1.5) -> Result:
+    """Peak memory of the shrunken config's training step and of sampling one batch with guidance, against the
+    estimate of the same model on one GPU (states + refresh + activations; states + one block's sampling
+    activations)."""
+    if device.type != "cuda":
+        return Result("memory", "skipped", "max_memory_allocated needs CUDA")
+    from lightning_muon.recipes.memory import GIB, memory_per_gpu
+
+    torch.cuda.reset_peak_memory_stats(device)
+    model, module, figures, _ = _shrunk_step(device, config)
+    if module is None:
+        return Result("memory", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
+    train_peak = torch.cuda.max_memory_allocated(device) / GIB
+    batch = figures["batch"]
+    module.zero_grad(set_to_none=True)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        module.generate(torch.arange(batch) % model["num_classes"], list(range(batch)), 2, guidance, batch_size=batch)
+    eval_peak = torch.cuda.max_memory_allocated(device) / GIB
+    sampling = {"class_path": "GenerationEvaluation", "init_args": {"batch_size": batch, "guidance_scale": guidance}}
+    shrunk = {
+        "trainer": {"devices": 1, "callbacks": [sampling]},
+        "model": model,
+        "data": {"init_args": {"batch_size": batch}},
+    }
+    estimate = memory_per_gpu(shrunk)
+    figures = {
+        "train_peak_GiB": train_peak,
+        "train_estimate_GiB": estimate["states"] + estimate["refresh"] + estimate["activations"],
+        "eval_peak_GiB": eval_peak,
+        "eval_estimate_GiB": estimate["eval peak"] - estimate["fsdp"],  # one GPU: no unsharded copies
+    }
+    ratios = {k: figures[f"{k}_peak_GiB"] / figures[f"{k}_estimate_GiB"] for k in ("train", "eval")}
+    figures.update({f"{k}_ratio": v for k, v in ratios.items()})
+    detail = "; ".join(
+        f"{k} peak {figures[f'{k}_peak_GiB']:.2f} GiB vs estimate {figures[f'{k}_estimate_GiB']:.2f} GiB ({v:.2f}×)"
+        for k, v in ratios.items()
+    )
+    bad = [k for k, v in ratios.items() if v > MEMORY_SLACK]
+    if bad:
+        return Result("memory", "FAILED", f"{', '.join(bad)} above {MEMORY_SLACK}×: {detail}", figures)
+    return Result("memory", "ok", detail, figures)
+
+
+def _ranks(device: torch.device) -> int:
+    """Ranks of the multi-process checks: 2 GPUs (0 when fewer), or 2 gloo CPU ranks."""
+    if device.type != "cuda":
+        return 2
+    return 2 if torch.cuda.device_count() >= 2 else 0
+
+
+def _torchrun(nproc: int, module: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc-per-node nproc -m module args`` on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", module, *args]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _worker(nproc: int, out: Path, *args: str) -> dict:
+    """One doctor_worker fit: its full parameters and what each rank saw; raises with the output's tail on failure."""
+    proc = _torchrun(nproc, "lightning_muon.recipes.doctor_worker", ["fit", "--out", str(out), *args])
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args) or 'fit'} on {nproc} ranks exited {proc.returncode}: {_tail(proc)}")
+    return {
+        "params": torch.load(out / "params.pt", weights_only=True),
+        **json.loads((out / "ranks.json").read_text()),
+    }
+
+
+def _tail(proc: subprocess.CompletedProcess) -> str:
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "Error" in x or "error" in x]
+    return (lines[-1] if lines else (proc.stdout + proc.stderr)[-300:]).strip()
+
+
+def _params_rel(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in b)
+
+
+def sharded_fit(device: torch.device, work: Path) -> Result:
+    world = _ranks(device)
+    if not world:
+        return Result("sharded fit", "skipped", "fewer than 2 GPUs")
+    tol = 2e-2 if device.type == "cuda" else 1e-4  # bf16-mixed on CUDA (backward not bit-deterministic); fp32
+    steps, more = "4", "6"  # K + 1 with K = 3, then two more after a resume
+    scatter = _worker(world, work / "scatter", "--steps", steps, "--save")
+    gather = _worker(world, work / "gather", "--steps", steps, "--refresh", "gather")
+    single = _worker(1, work / "single", "--steps", steps)
+    straight = _worker(world, work / "straight", "--steps", more)
+    ckpt = str(work / "scatter" / "ckpt")
+    resumed = {n: _worker(n, work / f"resumed{n}", "--steps", more, "--ckpt-path", ckpt) for n in (world, 1)}
+    skipped = {run: [r["skipped"] for r in out["ranks"]] for run, out in (("scatter", scatter), ("gather", gather),
+               ("single", single))}  # fmt: skip
+    figures: dict[str, float | str] = {
+        "world": world,
+        "gather_vs_scatter_rel": _params_rel(gather["params"], scatter["params"]),
+        "single_vs_sharded_rel": _params_rel(single["params"], scatter["params"]),
+        f"resumed_{world}_vs_straight_rel": _params_rel(resumed[world]["params"], straight["params"]),
+        "resumed_1_vs_straight_rel": _params_rel(resumed[1]["params"], straight["params"]),
+    }
+    bad = [f"{k} {v:.2e} > {tol:.0e}" for k, v in figures.items() if k.endswith("_rel") and not v <= tol]
+    bad += [f"{run}: steps skipped per rank {s} (want 1 each)" for run, s in skipped.items() if set(s) != {1}]
+    detail = f"{world} ranks, NaN step skipped on every rank; " + ", ".join(
+        f"{k} {v:.1e}" for k, v in figures.items() if k.endswith("_rel")
+    )
+    return Result("sharded fit", "FAILED" if bad else "ok", "; ".join(bad) or detail, figures)
+
+
+def no_host_sync(device: torch.device, work: Path) -> Result:
+    if device.type != "cuda":
+        return Result("no host sync", "skipped", "CUDA's sync debug mode needs a GPU")
+    world = _ranks(device) or 1
+    _worker(world, work / "sync_debug", "--steps", "5", "--sync-debug")
+    return Result("no host sync", "ok", f"steps 3-5 on {world} GPUs under set_sync_debug_mode('error')", {})
+
+
+def evaluate_check(device: torch.device, work: Path) -> Result:
+    """``evaluate`` of the sharded fit's checkpoint under torchrun (5 samples on 2 ranks) and in one process."""
+    world = _ranks(device)
+    ckpt = work / "scatter" / "ckpt"
+    if not world or not ckpt.exists():
+        return Result("evaluate", "skipped", "needs the sharded fit's checkpoint (2 ranks)")
+    values = {}
+    for n in (world, 1):
+        out = work / f"evaluate{n}"
+        args = ["evaluate", str(ckpt), "--num-samples", "5", "--num-inference-steps", "2", "--metrics", "fd_digits",
+                "--out", str(out)]  # fmt: skip
+        proc = _torchrun(n, "lightning_muon.recipes.cli", args)
+        if proc.returncode != 0:
+            return Result("evaluate", "FAILED", f"on {n} ranks exited {proc.returncode}: {_tail(proc)}")
+        with (out / "results.csv").open() as f:
+            values[n] = float(next(csv.DictReader(f))["eval/fd_digits"])
+    rel = abs(values[world] - values[1]) / max(abs(values[1]), 1e-12)
+    figures = {"fd_ranks": values[world], "fd_single": values[1], "rel": rel}
+    detail = f"5 samples, FD {values[world]:.4g} on {world} ranks, {values[1]:.4g} in one process"
+    return Result("evaluate", "ok" if rel <= 1e-3 else "FAILED", detail, figures)
+
+
+def failure(device: torch.device, work: Path, limit: float = 60.0) -> Result:
+    world = _ranks(device)
+    if not world:
+        return Result("failure", "skipped", "fewer than 2 GPUs")
+    out = work / "failure"
+    proc = _torchrun(world, "lightning_muon.recipes.doctor_worker", ["fail", "--out", str(out)])
+    ended = time.time()
+    raised = out / "raised.txt"
+    if proc.returncode == 0 or not raised.is_file():
+        return Result("failure", "FAILED", f"exit code {proc.returncode}; the planted error was not raised")
+    seconds = ended - float(raised.read_text())
+    figures = {"seconds_to_exit": seconds, "exit_code": proc.returncode}
+    bad = [f"{seconds:.1f} s > {limit:.0f} s"] if seconds > limit else []
+    if "fails on purpose" not in proc.stderr:
+        bad.append("the rank's error is missing from the output")
+    detail = f"one of {world} ranks raised: all exited {seconds:.1f} s later (exit code {proc.returncode})"
+    return Result("failure", "FAILED" if bad else "ok", "; ".join(bad) or detail, figures)
+
+
+def run_checks(
+    device: torch.device, hiddens: list[int], skip: set[str], config: str | None = None, work: Path | None = None
+) -> list[Result]:
+    """Every check not in ``skip``; an exception in one is its FAILED row, the others still run. ``work``: where the
+    multi-process checks write (a temporary directory by default)."""
+    import tempfile
+
+    work = Path(work or tempfile.mkdtemp(prefix="lightning_muon_doctor_"))
     checks: dict[str, Callable[[], Result]] = {
         "versions": lambda: versions(device),
         "bf16": lambda: bf16(device),
@@ -277,6 +470,11 @@ def run_checks(device: torch.device, hiddens: list[int], skip: set[str], config:
         "collectives": lambda: collectives(device),
         "fused": lambda: fused(device),
         "train step": lambda: train_step(device, config),
+        "memory": lambda: memory(device, config),
+        "sharded fit": lambda: sharded_fit(device, work),
+        "no host sync": lambda: no_host_sync(device, work),
+        "evaluate": lambda: evaluate_check(device, work),
+        "failure": lambda: failure(device, work),
     }
     results = []
     for name, check in checks.items():

@@ -1,5 +1,5 @@
 """Per-GPU memory of a config under muon_fsdp: training state from the real parameter shapes, plus what else sits on
-every GPU (frozen encoders, evaluation networks) and an activation estimate.
+every GPU (frozen encoders) and an activation estimate — and the peak of an evaluation, which brings its networks.
 
     python -m lightning_muon.recipes.memory recipes/configs/dit_xl2_imagenet256.yaml
     python -m lightning_muon.recipes.memory recipes/configs/t2i_base.yaml+recipes/configs/t2i_15b.yaml
@@ -13,11 +13,18 @@ every GPU (frozen encoders, evaluation networks) and an activation estimate.
 - **refresh**: the NS5 working set of a gather refresh: one bucket of bf16 momentum (``bucket_mb``) plus NS5
   temporaries of the largest matrix (X, A = XXᵀ, B, in bf16).
 - **frozen**: the VAE and text encoder, replicated in bf16 (nominal sizes of the published checkpoints, below).
-- **eval**: the metric networks of ``GenerationEvaluation``, replicated in fp32 (nominal sizes).
 - **activations**: per block ``34·s·b·h`` bytes (self-attention + MLP with fused attention, bf16; Korthikanti et al.
   2022, without the s² term) plus ``10·s·b·h + 4·L·b·h`` for PixArt's cross-attention over L caption tokens; with
   ``gradient_checkpointing`` one bf16 input per block plus one block's activations. s tokens, b per-GPU batch, h
-  hidden width. An estimate: allocator fragmentation, the VAE decode at evaluation and sampler buffers are not in it.
+  hidden width.
+- **total**: the sum of the above — training. Evaluation networks are not in it: ``GenerationEvaluation`` keeps them
+  on the CPU between evaluations.
+- **eval**: the metric networks of ``GenerationEvaluation`` (nominal sizes): fp32, the GenEval 2 judge in bf16.
+- **eval peak**: what an evaluation holds at once — states, the two unsharded blocks, the frozen encoders, the metric
+  networks, and one block's activations for a sampling batch (the callback's ``batch_size``, doubled under
+  classifier-free guidance; no activation is kept for a backward pass).
+
+An estimate: allocator fragmentation, the VAE decode at evaluation and sampler buffers are not in it.
 """
 
 from __future__ import annotations
@@ -39,8 +46,21 @@ NOMINAL_PARAMS = {
     "inception": 23.9e6,  # torch-fidelity InceptionV3 (FID)
     "clip": 427.9e6,  # OpenAI CLIP ViT-L/14@336 (image and text towers)
     "hps": 986.1e6,  # open_clip ViT-H-14 (HPS v2.1)
+    "judge": 8.767e9,  # Qwen3-VL-8B-Instruct (GenEval 2's Soft-TIFA judge)
 }
-METRIC_NETWORKS = {"fd_dinov2": "dinov2", "prdc_dinov2": "dinov2", "fid": "inception", "cmmd": "clip", "hpsv2": "hps"}
+METRIC_NETWORKS = {
+    "fd_dinov2": "dinov2",
+    "prdc_dinov2": "dinov2",
+    "fid": "inception",
+    "kid": "inception",
+    "is": "inception",
+    "sfid": "inception",
+    "cmmd": "clip",
+    "hpsv2": "hps",
+    "geneval2": "judge",
+}
+#: bytes per parameter of each evaluation network on the GPU (the judge loads in bf16 there, the others in fp32)
+NETWORK_BYTES = {**dict.fromkeys(NOMINAL_PARAMS, 4), "judge": 2}
 GIB = 2**30
 
 
@@ -69,25 +89,24 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
     p_small = min(largest.shape)
     refresh = bucket_mb * 2**20 + 2 * (largest.numel() + 2 * p_small * p_small + largest.numel())
     frozen = sum(2 * NOMINAL_PARAMS[k] for k in ("vae_path", "text_encoder_path") if model_cfg.get(k))
-    networks = {METRIC_NETWORKS[m] for m in _evaluation(config).get("metrics", []) if m in METRIC_NETWORKS}
-    evaluation = sum(4 * NOMINAL_PARAMS[n] for n in networks)
+    evaluation_args = _evaluation(config)
+    networks = {METRIC_NETWORKS[m] for m in evaluation_args.get("metrics", []) if m in METRIC_NETWORKS}
+    evaluation = sum(NETWORK_BYTES[n] * NOMINAL_PARAMS[n] for n in networks)
     batch = config.get("data", {}).get("init_args", {}).get("batch_size", 1)
     s = (net.get("sample_size", 32) // net.get("patch_size", 2)) ** 2
     h = net["num_attention_heads"] * net["attention_head_dim"]
     layers = net.get("num_layers", 28)
-    per_block = 34 * s * batch * h
-    if arch == "pixart":
-        per_block += 10 * s * batch * h + 4 * model_cfg.get("max_caption_length", 120) * batch * h
+
+    def block_activations(b: int) -> int:
+        extra = 10 * s * b * h + 4 * model_cfg.get("max_caption_length", 120) * b * h if arch == "pixart" else 0
+        return 34 * s * b * h + extra
+
     checkpointing = bool(model_cfg.get("gradient_checkpointing"))
+    per_block = block_activations(batch)
     activations = layers * 2 * s * batch * h + per_block if checkpointing else layers * per_block
-    parts = {
-        "states": states,
-        "fsdp": fsdp,
-        "refresh": refresh,
-        "frozen": frozen,
-        "eval": evaluation,
-        "activations": activations,
-    }
+    parts = {"states": states, "fsdp": fsdp, "refresh": refresh, "frozen": frozen, "activations": activations}
+    sampling = evaluation_args.get("batch_size", 250) * (2 if evaluation_args.get("guidance_scale", 1.0) != 1 else 1)
+    eval_peak = states + fsdp + frozen + evaluation + block_activations(sampling) if evaluation_args else 0
     return {
         "params_B": total / 1e9,
         "gpus": gpus,
@@ -95,6 +114,8 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
         "checkpointing": checkpointing,
         **{k: v / GIB for k, v in parts.items()},
         "total": sum(parts.values()) / GIB,
+        "eval": evaluation / GIB,
+        "eval peak": eval_peak / GIB,
     }
 
 
@@ -104,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", help="config files; a+b stacks b on a")
     args = parser.parse_args(argv)
-    columns = ("states", "fsdp", "refresh", "frozen", "eval", "activations", "total")
+    columns = ("states", "fsdp", "refresh", "frozen", "activations", "total", "eval", "eval peak")
     print("| config | params | GPUs | batch/GPU | ckpt | " + " | ".join(columns) + " |")
     print("|---|---:|---:|---:|:---:|" + "---:|" * len(columns))
     for spec in args.configs:

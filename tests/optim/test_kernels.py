@@ -86,3 +86,63 @@ def test_shape_factor_and_flops():
     with pytest.raises(ValueError, match="adjust_lr must be one of"):
         shape_factor((4, 4), "spectral")
     assert ns_flops((30, 10), steps=1) == 4 * 10 * 10 * 30 + 2 * 10**3 == ns_flops((10, 30), steps=1)
+
+
+def compile_counts(monkeypatch, kernels, calls):
+    """Graphs dynamo compiles for ``calls`` of ``kernels`` (the eager backend: dynamo's guards and recompiles are
+    the same as inductor's, without a C++ compiler)."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    import lightning_muon.optim.kernels as kernels_module
+
+    torch._dynamo.reset()
+    kernels_module.compiled_rownorm_kernels.cache_clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    counters.clear()
+    try:
+        calls(kernels())
+    finally:
+        kernels_module.compiled_rownorm_kernels.cache_clear()
+    return counters["stats"]["unique_graphs"], counters["recompiles"]
+
+
+def fused_steps(kernels):
+    """What a run meets: wide and tall matrices of many sizes, empty and one-row shards, checked and unchecked steps,
+    weight decay and none (a cosine schedule's end), changing and tensor lr, fixed and calibrated γ, cycled β."""
+    from lightning_muon.optim.kernels import row_norm_dim
+
+    sumsq_fn, update = kernels
+    g = torch.Generator().manual_seed(0)
+    shapes = [(64, 32), (32, 64), (48, 16), (40, 40), (0, 64), (1, 64), (2, 64), (96, 8)]
+    for i in range(24):
+        shape = shapes[i % len(shapes)]
+        W, M, G = (torch.randn(shape, generator=g) for _ in range(3))
+        beta = (0.95, 0.9)[i % 2]
+        sumsq = sumsq_fn(M, G, beta, True, row_norm_dim(shape))
+        ok = None if i % 3 else torch.tensor(True)
+        decay = 1.0 if i % 4 == 0 else 1 - 0.01 * i
+        scale = torch.tensor(-0.02) if i % 5 == 0 else -0.001 * (i + 1)
+        gamma = torch.tensor(0.4) if i % 2 else 0.15
+        update(W, M, G, sumsq, beta, True, decay, scale, 1e-7, ok, gamma)
+
+
+def test_the_fused_kernels_compile_once_per_orientation_whatever_the_run_does(monkeypatch):
+    """At most wide + tall for each kernel, no recompile beyond them, far inside torch's recompile limit (past it a
+    step fails under ``fullgraph`` on torch 2.14, or falls back to eager silently on older torch). Control: the
+    kernels compiled plainly recompile for sizes 0 and 1, the verdict, a decay of 1 and a tensor lr or γ — past the
+    limit."""
+    from lightning_muon.optim.kernels import compiled_rownorm_kernels, rownorm_sumsq, rownorm_update_
+
+    graphs, recompiles = compile_counts(monkeypatch, compiled_rownorm_kernels, fused_steps)
+    assert graphs <= 4, recompiles
+    plain = lambda: (  # noqa: E731
+        torch.compile(rownorm_sumsq, dynamic=True, fullgraph=True),
+        torch.compile(rownorm_update_, dynamic=True, fullgraph=True),
+    )
+    try:
+        graphs, _ = compile_counts(monkeypatch, plain, fused_steps)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:  # torch 2.14 under fullgraph; older versions go eager
+        graphs = float("inf")
+    assert graphs > torch._dynamo.config.recompile_limit

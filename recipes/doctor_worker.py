@@ -1,0 +1,164 @@
+"""The multi-process checks of ``lightning-muon doctor``, one process per rank under torchrun (NCCL on GPUs, gloo on
+CPU ranks):
+
+    python -m torch.distributed.run --nproc-per-node 2 -m lightning_muon.recipes.doctor_worker fit --out DIR
+    python -m torch.distributed.run --nproc-per-node 2 -m lightning_muon.recipes.doctor_worker fail --out DIR
+
+``fit`` trains the default tiny DiT with ``strategy="muon_fsdp"`` (bf16-mixed on CUDA) for ``--steps`` steps, a
+NaN planted in one gradient of the last rank at step 2 (every rank must skip that step), saves a distributed
+checkpoint (or resumes from ``--ckpt-path``) and writes the full parameters and what every rank saw. Its noise,
+timesteps and data are drawn per global sample, so runs on any number of ranks train the same model.
+``--sync-debug`` runs the steps after the second under ``torch.cuda.set_sync_debug_mode("error")``.
+
+``fail`` raises on the last rank at step 2 and writes when it did: the doctor times how long the other ranks take to
+exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_muon import device
+from lightning_muon.optim.shards import local
+from lightning_muon.recipes.module import DiTModule
+from lightning_muon.strategy import MuonFSDPStrategy
+
+GLOBAL_BATCH, SAMPLES, NAN_STEP = 8, 64, 2
+
+
+class SameOnAnyWorld(DiTModule):
+    """The default tiny DiT whose step draws noise and timesteps for the whole global batch (seeded by the step) and
+    keeps this rank's samples: the model trained does not depend on the number of ranks."""
+
+    refresh: str = "scatter"  # the refresh transport under test
+    fail_at: int | None = None  # a step at which the last rank raises
+
+    def __init__(self) -> None:
+        super().__init__(cfg_dropout=0.0, ema_decay=0.0, ns_dtype="float32")
+
+    def optimizer_options(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        muon, adamw = super().optimizer_options()
+        return {**muon, "refresh": self.refresh}, adamw
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        if self.fail_at is not None and self.global_step == self.fail_at and rank == world - 1:
+            raise RuntimeError(f"doctor: rank {rank} fails on purpose at step {self.global_step}")
+        x0, labels = batch
+        g = device.generator(self.device, self.global_step)
+        noise = torch.randn((GLOBAL_BATCH, *x0.shape[1:]), generator=g, device=self.device)[rank::world]
+        t = torch.rand(GLOBAL_BATCH, generator=g, device=self.device)[rank::world]
+        loss = self.loss(self.model, x0, {"labels": labels}, t, noise)
+        self.log("train/loss", loss, sync_dist=True)
+        return loss
+
+
+class PlantNaN(Callback):
+    """A NaN in the first non-empty local gradient of the last rank, before the optimizer step of ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == trainer.world_size - 1:
+            grad = next(local(p.grad) for p in pl_module.parameters() if p.grad is not None and p.grad.numel() > 0)
+            grad.view(-1)[0] = float("nan")
+
+
+class SyncDebug(Callback):
+    """CUDA's sync debug mode "error" from the third step's start to its end, and every step after."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def data() -> DataLoader:
+    """Digits-sized images and labels; Lightning's sampler gives rank r the samples r, r + W, ... of each batch."""
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(SAMPLES, 1, 8, 8, generator=g) * 2 - 1
+    labels = torch.randint(0, 10, (SAMPLES,), generator=g)
+    world = int(os.environ.get("WORLD_SIZE", 1))  # asked before Lightning joins the process group
+    return DataLoader(TensorDataset(images, labels), batch_size=GLOBAL_BATCH // world, shuffle=False)
+
+
+def trainer_for(args: argparse.Namespace, callbacks: list[Callback]) -> L.Trainer:
+    cuda = torch.cuda.is_available()
+    return L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        num_nodes=1,
+        strategy=MuonFSDPStrategy(),
+        precision="bf16-mixed" if cuda else "32-true",
+        max_steps=args.steps,
+        default_root_dir=args.out,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+    )
+
+
+def fit(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    callbacks: list[Callback] = [PlantNaN(NAN_STEP)] + ([SyncDebug()] if args.sync_debug else [])
+    trainer = trainer_for(args, callbacks)
+    module = SameOnAnyWorld()
+    module.refresh = args.refresh
+    trainer.fit(module, data(), ckpt_path=args.ckpt_path)
+    if args.save:
+        trainer.save_checkpoint(out / "ckpt")
+    opt = trainer.optimizers[0]
+    seen = [None] * trainer.world_size
+    refreshes = {k: v for k, v in opt.refresh_counts().items() if k.startswith("group")}
+    mine = {"rank": trainer.global_rank, "skipped": opt.nonfinite_steps_skipped, "refreshes": refreshes}
+    torch.distributed.all_gather_object(seen, mine)
+    params = {k: v.full_tensor().float().cpu() for k, v in module.model.state_dict().items()}
+    if trainer.is_global_zero:
+        torch.save(params, out / "params.pt")
+        (out / "ranks.json").write_text(json.dumps({"world": trainer.world_size, "ranks": seen}))
+
+
+def fail(args: argparse.Namespace) -> None:
+    trainer = trainer_for(args, [])
+    module = SameOnAnyWorld()
+    module.fail_at = NAN_STEP
+    try:
+        trainer.fit(module, data())
+    except RuntimeError as err:
+        if "fails on purpose" in str(err):
+            (Path(args.out) / "raised.txt").write_text(str(time.time()))
+        raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="lightning_muon.recipes.doctor_worker", description=__doc__)
+    parser.add_argument("check", choices=["fit", "fail"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--refresh", default="scatter", choices=["scatter", "gather"])
+    parser.add_argument("--ckpt-path", default=None)
+    parser.add_argument("--save", action="store_true", help="save a distributed checkpoint to OUT/ckpt at the end")
+    parser.add_argument("--sync-debug", action="store_true")
+    args = parser.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    (fit if args.check == "fit" else fail)(args)
+
+
+if __name__ == "__main__":
+    main()
