@@ -67,7 +67,9 @@ class GenerationEvaluation(Callback):
     Sample i has class ``i mod num_classes`` and seed ``seed + i`` whatever the world size; rank r generates the
     samples i ≡ r (mod W) in equal-sized batches (FSDP needs every rank in every forward), padding included and
     dropped. Reference (real) statistics are computed once per metric and cached in ``reference_dir``. Metrics and
-    their weights are built in ``setup``: missing weights fail before training starts.
+    their weights are built in ``setup``: missing weights fail before training starts. They stay on the CPU between
+    evaluations and come to the module's device for each (:func:`~lightning_muon.metrics.evaluation.metrics_on`): a
+    DINOv2, CLIP, HPS network or a VLM judge takes no training GPU memory while training runs.
 
     The LightningModule must meet :class:`~lightning_muon.callbacks.protocols.Generator` (``generate(conditions,
     seeds, num_inference_steps, guidance_scale, batch_size=)`` → uint8 images, and ``device``); the datamodule

@@ -20,6 +20,12 @@ teardown (a rank that raised must not wait in a barrier for ranks that will neve
 still-initialized group is destroyed by an ``atexit`` hook registered in ``setup_environment``: a gloo group left to
 C++ static destruction can abort the process ("terminate called without an active exception") — its worker threads
 are still joinable when their ``std::thread`` destructors run — after a successful run.
+
+A rank that raises under NCCL aborts its process group at once (:meth:`MuonFSDPStrategy.on_exception`, after the
+callbacks' ``on_exception``): its in-flight collectives are cancelled, so its teardown and exit cannot block on peers
+that will never answer, and it exits with its own error. NCCL tells the other ranks nothing: they wait in their next
+collective until the launcher stops them (torchrun stops every worker when one fails; ``srun --kill-on-bad-exit=1``
+does the same under Slurm) or the group's ``timeout`` passes (README "Multi-node training").
 """
 
 from __future__ import annotations
@@ -137,9 +143,10 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         save_distributed_checkpoint: write torch.distributed.checkpoint directories (resumable on any device
             count); ``False`` gathers one full checkpoint file on rank 0.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
-        timeout: collective timeout of the process group (a ``timedelta`` or seconds). A rank that raises makes the
-            others fail at their next collective within a second (they do not wait for this timeout), so it only
-            bounds a rank that hangs without failing.
+        timeout: collective timeout of the process group (a ``timedelta`` or seconds). Under gloo a rank that raises
+            makes the others fail at their next collective within a second (closed sockets); under NCCL they learn
+            nothing and wait in it until the launcher stops them or this timeout passes (default 30 minutes) — keep
+            it above the longest stretch one rank may spend alone (a checkpoint save, an evaluation's rank-0 work).
     """
 
     strategy_name = "muon_fsdp"
@@ -216,6 +223,15 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Under NCCL abort the process group now: a rank that raised must not block in teardown or at exit on
+        collectives its peers will never finish (gloo's failing sockets already end them)."""
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group  # public as of torch 2.14: none
+
+            _abort_process_group()
 
     def _check_optimizers(self) -> None:
         """Muon matrices must be row-sharded DTensors (checked now, naming the parameter, not at the first step);

@@ -37,6 +37,7 @@ import argparse
 import csv
 import json
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -368,8 +369,10 @@ def _worker(nproc: int, out: Path, *args: str) -> dict:
 
 
 def _tail(proc: subprocess.CompletedProcess) -> str:
-    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if "Error" in x or "error" in x]
-    return (lines[-1] if lines else (proc.stdout + proc.stderr)[-300:]).strip()
+    """The child's error line (not torchrun's own ChildFailedError), else the output's end."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    errors = [x for x in lines if re.search(r"\w(Error|Exception): |^No ", x) and "ChildFailedError" not in x]
+    return (errors[-1] if errors else "\n".join(lines[-3:])).strip()[:300]
 
 
 def _params_rel(a: dict, b: dict) -> float:
@@ -386,7 +389,7 @@ def sharded_fit(device: torch.device, work: Path) -> Result:
     gather = _worker(world, work / "gather", "--steps", steps, "--refresh", "gather")
     single = _worker(1, work / "single", "--steps", steps)
     straight = _worker(world, work / "straight", "--steps", more)
-    ckpt = str(work / "scatter" / "ckpt")
+    ckpt = str(work / "scatter" / "last.ckpt")
     resumed = {n: _worker(n, work / f"resumed{n}", "--steps", more, "--ckpt-path", ckpt) for n in (world, 1)}
     skipped = {run: [r["skipped"] for r in out["ranks"]] for run, out in (("scatter", scatter), ("gather", gather),
                ("single", single))}  # fmt: skip
@@ -416,7 +419,7 @@ def no_host_sync(device: torch.device, work: Path) -> Result:
 def evaluate_check(device: torch.device, work: Path) -> Result:
     """``evaluate`` of the sharded fit's checkpoint under torchrun (5 samples on 2 ranks) and in one process."""
     world = _ranks(device)
-    ckpt = work / "scatter" / "ckpt"
+    ckpt = work / "scatter" / "last.ckpt"
     if not world or not ckpt.exists():
         return Result("evaluate", "skipped", "needs the sharded fit's checkpoint (2 ranks)")
     values = {}

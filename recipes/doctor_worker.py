@@ -6,8 +6,9 @@ CPU ranks):
 
 ``fit`` trains the default tiny DiT with ``strategy="muon_fsdp"`` (bf16-mixed on CUDA) for ``--steps`` steps, a
 NaN planted in one gradient of the last rank at step 2 (every rank must skip that step), saves a distributed
-checkpoint (or resumes from ``--ckpt-path``) and writes the full parameters and what every rank saw. Its noise,
-timesteps and data are drawn per global sample, so runs on any number of ranks train the same model.
+checkpoint ``OUT/last.ckpt`` (or resumes from ``--ckpt-path``) and writes the full parameters and what every rank
+saw. Its initial weights, noise, timesteps and data do not depend on the number of ranks, so runs on any number of
+ranks train the same model.
 ``--sync-debug`` runs the steps after the second under ``torch.cuda.set_sync_debug_mode("error")``.
 
 ``fail`` raises on the last rank at step 2 and writes when it did: the doctor times how long the other ranks take to
@@ -31,6 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_muon import device
 from lightning_muon.optim.shards import local
 from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.networks import build_transformer
 from lightning_muon.strategy import MuonFSDPStrategy
 
 GLOBAL_BATCH, SAMPLES, NAN_STEP = 8, 64, 2
@@ -45,6 +47,14 @@ class SameOnAnyWorld(DiTModule):
 
     def __init__(self) -> None:
         super().__init__(cfg_dropout=0.0, ema_decay=0.0, ns_dtype="float32")
+
+    def configure_model(self) -> None:
+        """The full network from a fixed seed on every rank, sharded by the strategy afterwards: the same initial
+        weights on any number of ranks (built on the meta device, each rank would initialize its own shard)."""
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = build_transformer(self.hparams.architecture, self.model_config)
+        super().configure_model()
 
     def optimizer_options(self) -> tuple[dict[str, Any], dict[str, Any]]:
         muon, adamw = super().optimizer_options()
@@ -121,7 +131,7 @@ def fit(args: argparse.Namespace) -> None:
     module.refresh = args.refresh
     trainer.fit(module, data(), ckpt_path=args.ckpt_path)
     if args.save:
-        trainer.save_checkpoint(out / "ckpt")
+        trainer.save_checkpoint(out / "last.ckpt")
     opt = trainer.optimizers[0]
     seen = [None] * trainer.world_size
     refreshes = {k: v for k, v in opt.refresh_counts().items() if k.startswith("group")}
@@ -152,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--refresh", default="scatter", choices=["scatter", "gather"])
     parser.add_argument("--ckpt-path", default=None)
-    parser.add_argument("--save", action="store_true", help="save a distributed checkpoint to OUT/ckpt at the end")
+    parser.add_argument("--save", action="store_true", help="save a distributed checkpoint OUT/last.ckpt at the end")
     parser.add_argument("--sync-debug", action="store_true")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)

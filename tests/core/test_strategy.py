@@ -133,3 +133,21 @@ def test_meta_device_init_leaves_nothing_uninitialized():
             assert r["was_meta"] and r["pos_embed_equal"] and r["finite"] and r["ema_equal"], arch
         assert len(result["pixart"]["table_std"]) == 3  # the root table and one per block
         assert all(0.5 < s < 1.5 for s in result["pixart"]["table_std"])
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_rank_that_raises_under_nccl_aborts_its_group(monkeypatch, backend):
+    """``on_exception`` under NCCL aborts the process group (its in-flight collectives cancelled: teardown and exit
+    cannot block on peers); under gloo — the control — it leaves the group to the exit hook. The backend query and
+    the abort are recorded: NCCL needs GPUs."""
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    from lightning_muon.strategy import MuonFSDPStrategy
+
+    aborted = []
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: aborted.append(group))
+    MuonFSDPStrategy().on_exception(RuntimeError("a rank failed"))
+    assert aborted == ([None] if backend == "nccl" else [])

@@ -159,3 +159,17 @@ def test_evaluate_without_the_benchmark_is_a_short_error(tmp_path, capsys, asset
     with pytest.raises(SystemExit) as exit_info:
         evaluate([str(tmp_path), "--metrics", "geneval2", "--geneval2-judge", str(assets["judge"])])
     assert exit_info.value.code == 2 and "needs `geneval2_prompts=`" in capsys.readouterr().err
+
+
+def test_the_judge_loads_in_bf16_where_cuda_is(monkeypatch, assets):
+    """Where CUDA is available the judge's weights are read in bf16 directly (an 8B judge: ~17 GB, not ~35 GB in
+    float32 cast later); an explicit dtype wins. Control: on a CPU-only machine, float32."""
+    from lightning_muon.metrics.geneval2 import SoftTifaJudge
+
+    def dtypes(judge):
+        return {p.dtype for p in judge.model.parameters()}
+
+    assert dtypes(SoftTifaJudge(assets["judge"])) == {torch.float32}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert dtypes(SoftTifaJudge(assets["judge"])) == {torch.bfloat16}
+    assert dtypes(SoftTifaJudge(assets["judge"], dtype=torch.float32)) == {torch.float32}
