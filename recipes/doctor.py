@@ -376,7 +376,10 @@ def _tail(proc: subprocess.CompletedProcess) -> str:
 
 
 def _params_rel(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in b)
+    """‖a − b‖ / ‖b‖ over all parameters together (per tensor, the key biases — zero gradient in exact arithmetic,
+    so AdamW normalizes rounding noise — would dominate)."""
+    diff = sum(float((a[k] - b[k]).square().sum()) for k in b)
+    return (diff / max(sum(float(b[k].square().sum()) for k in b), 1e-30)) ** 0.5
 
 
 def sharded_fit(device: torch.device, work: Path) -> Result:

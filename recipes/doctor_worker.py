@@ -40,13 +40,14 @@ GLOBAL_BATCH, SAMPLES, NAN_STEP = 8, 64, 2
 
 class SameOnAnyWorld(DiTModule):
     """The default tiny DiT whose step draws noise and timesteps for the whole global batch (seeded by the step) and
-    keeps this rank's samples: the model trained does not depend on the number of ranks."""
+    keeps this rank's samples: the model trained does not depend on the number of ranks. A constant lr: a run
+    resumed for two more steps trains as one run of all of them."""
 
     refresh: str = "scatter"  # the refresh transport under test
     fail_at: int | None = None  # a step at which the last rank raises
 
     def __init__(self) -> None:
-        super().__init__(cfg_dropout=0.0, ema_decay=0.0, ns_dtype="float32")
+        super().__init__(cfg_dropout=0.0, ema_decay=0.0, ns_dtype="float32", schedule="constant")
 
     def configure_model(self) -> None:
         """The full network from a fixed seed on every rank, sharded by the strategy afterwards: the same initial

@@ -27,7 +27,14 @@ def test_doctor_runs_its_cpu_checks_and_writes_every_figure(tmp_path):
     assert {name: r["status"] for name, r in rows.items()} == {
         **{name: "ok" for name in doctor.CHECKS},
         "collectives": "skipped",  # NCCL needs two GPUs
+        "memory": "skipped",  # max_memory_allocated needs CUDA
+        "no host sync": "skipped",  # CUDA's sync debug mode
     }
+    assert rows["memory"]["detail"] == "max_memory_allocated needs CUDA"
+    fit = rows["sharded fit"]["figures"]  # on 2 gloo CPU ranks, fp32: the same model whatever the rank count
+    assert fit["world"] == 2 and all(v <= 1e-4 for k, v in fit.items() if k.endswith("_rel"))
+    assert rows["evaluate"]["figures"]["rel"] <= 1e-3
+    assert rows["failure"]["figures"]["seconds_to_exit"] < 60 and rows["failure"]["figures"]["exit_code"] != 0
     assert rows["versions"]["figures"]["torch"] == torch.__version__
     assert rows["optimizer"]["figures"]["vs_torch_muon_rel"] <= 1e-4
     assert rows["fused"]["figures"]["fused_vs_eager_rel"] <= 1e-5
@@ -41,8 +48,9 @@ def test_doctor_reports_a_wrong_optimizer_and_goes_on(tmp_path):
     bad = doctor.optimizer(torch.device("cpu"), ns_steps=4)
     assert bad.status == "FAILED" and "vs_torch_muon_rel" in bad.detail
     assert doctor.optimizer(torch.device("cpu")).status == "ok"
-    results = doctor.run_checks(torch.device("cpu"), [64], skip={"fused", "train step", "ns5"})
-    assert [r.status for r in results] == ["ok", "ok", "ok", "skipped", "skipped", "skipped", "skipped"]
+    multi_process = {"sharded fit", "evaluate", "failure"}
+    results = doctor.run_checks(torch.device("cpu"), [64], skip={"fused", "train step", "ns5"} | multi_process)
+    assert [r.status for r in results] == ["ok", "ok", "ok"] + ["skipped"] * 9
 
 
 @pytest.mark.gpu
@@ -50,4 +58,8 @@ def test_doctor_on_cuda(tmp_path):
     proc, rows = run_doctor(tmp_path, "--hidden", "1024")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert rows["optimizer"]["figures"]["device_vs_cpu_rel"] <= 1e-4
-    assert rows["train step"]["figures"]["peak_GiB"] > 0
+    assert 0 < rows["memory"]["figures"]["train_ratio"] <= doctor.MEMORY_SLACK
+    assert 0 < rows["memory"]["figures"]["eval_ratio"] <= doctor.MEMORY_SLACK
+    assert rows["no host sync"]["status"] == "ok"
+    if torch.cuda.device_count() >= 2:
+        assert {rows[n]["status"] for n in ("sharded fit", "evaluate", "failure")} == {"ok"}
