@@ -26,7 +26,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_muon import device
@@ -62,10 +62,15 @@ class SameOnAnyWorld(DiTModule):
         return {**muon, "refresh": self.refresh}, adamw
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The samples of global batch ``global_step`` (not the loader's position, which Lightning does not restore
+        for a plain DataLoader on resume), this rank's share of them."""
         rank, world = self.trainer.global_rank, self.trainer.world_size
         if self.fail_at is not None and self.global_step == self.fail_at and rank == world - 1:
             raise RuntimeError(f"doctor: rank {rank} fails on purpose at step {self.global_step}")
-        x0, labels = batch
+        if not hasattr(self, "_samples"):
+            self._samples = [t.to(self.device) for t in samples()]  # once, before the steps that are watched
+        index = (self.global_step * GLOBAL_BATCH + torch.arange(GLOBAL_BATCH, device=self.device)) % SAMPLES
+        x0, labels = (t[index[rank::world]] for t in self._samples)
         g = device.generator(self.device, self.global_step)
         noise = torch.randn((GLOBAL_BATCH, *x0.shape[1:]), generator=g, device=self.device)[rank::world]
         t = torch.rand(GLOBAL_BATCH, generator=g, device=self.device)[rank::world]
@@ -97,13 +102,16 @@ class SyncDebug(Callback):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def data() -> DataLoader:
-    """Digits-sized images and labels; Lightning's sampler gives rank r the samples r, r + W, ... of each batch."""
+def samples() -> tuple[torch.Tensor, torch.Tensor]:
+    """Digits-sized images in [-1, 1] and their labels."""
     g = torch.Generator().manual_seed(0)
-    images = torch.rand(SAMPLES, 1, 8, 8, generator=g) * 2 - 1
-    labels = torch.randint(0, 10, (SAMPLES,), generator=g)
+    return torch.rand(SAMPLES, 1, 8, 8, generator=g) * 2 - 1, torch.randint(0, 10, (SAMPLES,), generator=g)
+
+
+def data() -> DataLoader:
+    """What drives the steps (their samples come from :func:`samples` by global step)."""
     world = int(os.environ.get("WORLD_SIZE", 1))  # asked before Lightning joins the process group
-    return DataLoader(TensorDataset(images, labels), batch_size=GLOBAL_BATCH // world, shuffle=False)
+    return DataLoader(TensorDataset(torch.arange(SAMPLES)), batch_size=GLOBAL_BATCH // world)
 
 
 def trainer_for(args: argparse.Namespace, callbacks: list[Callback]) -> L.Trainer:
@@ -119,7 +127,7 @@ def trainer_for(args: argparse.Namespace, callbacks: list[Callback]) -> L.Traine
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         callbacks=callbacks,
     )
 
@@ -127,12 +135,12 @@ def trainer_for(args: argparse.Namespace, callbacks: list[Callback]) -> L.Traine
 def fit(args: argparse.Namespace) -> None:
     out = Path(args.out)
     callbacks: list[Callback] = [PlantNaN(NAN_STEP)] + ([SyncDebug()] if args.sync_debug else [])
+    if args.save:  # as a run saves: at its last step, during training
+        callbacks.append(ModelCheckpoint(dirpath=out, every_n_train_steps=args.steps, save_last=True, save_top_k=0))
     trainer = trainer_for(args, callbacks)
     module = SameOnAnyWorld()
     module.refresh = args.refresh
     trainer.fit(module, data(), ckpt_path=args.ckpt_path)
-    if args.save:
-        trainer.save_checkpoint(out / "last.ckpt")
     opt = trainer.optimizers[0]
     seen = [None] * trainer.world_size
     refreshes = {k: v for k, v in opt.refresh_counts().items() if k.startswith("group")}
