@@ -14,6 +14,11 @@
     owners") and one sends orthogonalized rows back ("to holders"), both asynchronous: bucket i+1 travels to its
     owners and bucket i-1's rows travel back while owners run NS5 on bucket i.
 
+At exit, gloo needs a moment (:func:`release_gloo_workers_at_exit`): its worker threads free the finished collectives
+and with them the last references to our buffers, Python tensors, which takes the GIL; a thread that asks for the GIL
+once the interpreter is finalizing is ended by Python, unwinding through a ``noexcept`` C++ destructor —
+``std::terminate``: "terminate called without an active exception", SIGABRT after a finished run.
+
 Momentum travels in the NS5 dtype: NS5 casts its input to that dtype first, so the result is the same as gathering
 fp32 and casting, for half the bytes in bf16. A non-finite flag (0, or NaN: this rank saw a non-finite gradient) may
 ride the first bucket; the verdict is then known before the first write, and with ``raise_nonfinite`` every rank
@@ -35,13 +40,38 @@ from lightning_muon.optim.nonfinite import NonFiniteGradient, flags_ok
 from lightning_muon.optim.refresh import RefreshItem, buckets, measure
 from lightning_muon.optim.shards import assign_owners
 
-__all__ = ["CommStats", "gather_refresh", "scatter_refresh", "start_all_reduce"]
+__all__ = ["CommStats", "gather_refresh", "release_gloo_workers_at_exit", "scatter_refresh", "start_all_reduce"]
 
 BRANCHES = ("refresh", "rownorm")
 #: what a refresh transport yields per bucket: the items, their new momenta, their local orthogonalized rows, the
 #: step's verdict (None: unchecked), and the γ candidates of the items that measure them (else None)
 Bucket = tuple[list[RefreshItem], list[Tensor], list[Tensor], Tensor | None, list[Tensor | None]]
 SCALES = 2  # elements of refresh_scales
+
+
+#: seconds the exit hook holds the GIL released (a gloo worker needs microseconds once it has the GIL)
+GLOO_EXIT_GRACE = 0.05
+_exit_hook_registered = False
+
+
+def release_gloo_workers_at_exit() -> None:
+    """An ``atexit`` hook (it runs before the interpreter finalizes): give the GIL away for a moment, so gloo worker
+    threads still waiting for it finish destroying their finished works — the backtrace of the abort it prevents:
+    ``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` → ``~AsyncAllgatherCoalescedWork`` →
+    ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` → ``take_gil`` → ``PyThread_exit_thread`` during
+    ``Py_FinalizeEx`` → ``std::terminate``. Registered once, by the first collective this module runs on gloo."""
+    import time
+
+    time.sleep(GLOO_EXIT_GRACE)
+
+
+def _watch_exit(group: dist.ProcessGroup) -> None:
+    global _exit_hook_registered
+    if not _exit_hook_registered and dist.get_backend(group) == "gloo":
+        import atexit
+
+        atexit.register(release_gloo_workers_at_exit)
+        _exit_hook_registered = True
 
 
 class CommStats:
@@ -94,6 +124,7 @@ def start_all_reduce(
 ) -> PendingReduce:
     """Launch one sum all-reduce of every tensor (and the ``extra`` elements) as a flat float32 vector."""
     flat = torch.cat([t.reshape(-1).float() for t in tensors] + [e.reshape(-1).float() for e in extra])
+    _watch_exit(group)
     work = dist.all_reduce(flat, group=group, async_op=True)
     stats.add(branch, flat.numel() * flat.element_size(), flat.numel() * flat.element_size())
     return PendingReduce(tensors, flat, work, sum(e.numel() for e in extra))
@@ -120,6 +151,7 @@ def gather_refresh(
     every rank while the next bucket is in flight, yield this rank's rows. A ``flag`` (this rank's 0 or NaN) rides
     the first bucket: every rank then holds every rank's flag and the same verdict."""
     group, world = items[0].shard.group, items[0].shard.world
+    _watch_exit(group)
 
     def launch(index: list[int], with_flag: bool):
         bucket = [items[i] for i in index]
@@ -174,6 +206,7 @@ def scatter_refresh(
     element to every rank). NS5 FLOPs of this rank: :func:`owned_flops`."""
     group, world, rank = items[0].shard.group, items[0].shard.world, items[0].shard.rank
     owner_of = assign_owners([it.flops for it in items], world)  # over the whole step
+    _watch_exit(group)
 
     def exchange(send_parts: list[list[Tensor]], recv_sizes: list[int], dtype, device):
         send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
