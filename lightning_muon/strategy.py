@@ -17,9 +17,9 @@ serves modules without ``configure_model`` (which ``ModelParallelStrategy.setup`
 
 The process group belongs to Lightning and the launcher: the strategy never destroys it nor runs a collective in
 teardown (a rank that raised must not wait in a barrier for ranks that will never arrive). At interpreter exit a
-still-initialized group is destroyed by an ``atexit`` hook registered in ``setup_environment``: a gloo group left to
-C++ static destruction can abort the process ("terminate called without an active exception") — its worker threads
-are still joinable when their ``std::thread`` destructors run — after a successful run.
+still-initialized group is destroyed by an ``atexit`` hook registered in ``setup_environment``. (A finished gloo run
+that aborted at exit — "terminate called without an active exception" — did so because gloo's worker threads took
+the GIL during finalization: :func:`~lightning_muon.optim.transport.release_gloo_workers_at_exit`.)
 
 A rank that raises under NCCL aborts its process group at once (:meth:`MuonFSDPStrategy.on_exception`, after the
 callbacks' ``on_exception``): its in-flight collectives are cancelled, so its teardown and exit cannot block on peers

@@ -86,7 +86,7 @@ class ReferenceCache:
     def _apply(self, fn, *args, **kwargs):
         """``.to(device)`` moves the reference with the states (kept outside them, see the module docstring)."""
         this = super()._apply(fn, *args, **kwargs)
-        if self.reference is not None:
+        if getattr(self, "reference", None) is not None:  # also when a parent's __init__ moves the metric
             self.set_reference(self.reference)
         return this
 

@@ -383,6 +383,8 @@ def _params_rel(a: dict, b: dict) -> float:
 
 
 def sharded_fit(device: torch.device, work: Path) -> Result:
+    """K+1 steps on 2 ranks in scatter and gather mode and on 1 rank, each skipping the planted NaN step on every
+    rank; resumes of the scatter run's checkpoint on 2 and 1 ranks against an uninterrupted run."""
     world = _ranks(device)
     if not world:
         return Result("sharded fit", "skipped", "fewer than 2 GPUs")
@@ -394,8 +396,8 @@ def sharded_fit(device: torch.device, work: Path) -> Result:
     straight = _worker(world, work / "straight", "--steps", more)
     ckpt = str(work / "scatter" / "last.ckpt")
     resumed = {n: _worker(n, work / f"resumed{n}", "--steps", more, "--ckpt-path", ckpt) for n in (world, 1)}
-    skipped = {run: [r["skipped"] for r in out["ranks"]] for run, out in (("scatter", scatter), ("gather", gather),
-               ("single", single))}  # fmt: skip
+    runs = {"scatter": scatter, "gather": gather, "single": single}
+    skipped = {run: [r["skipped"] for r in out["ranks"]] for run, out in runs.items()}
     figures: dict[str, float | str] = {
         "world": world,
         "gather_vs_scatter_rel": _params_rel(gather["params"], scatter["params"]),
