@@ -243,16 +243,16 @@ def fused(device: torch.device) -> Result:
     return Result("fused", status, f"compiled RowNorm vs eager {rel:.2e} (compile + 6 steps {seconds:.1f} s)", figures)
 
 
-def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, dict, float]:
+def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, dict]:
     """The DiT config cut to two blocks (``None`` for a text-to-image config), one optimizer step of it at its per-GPU
-    batch on CUDA (2 on a CPU): ``(model options, module, figures, seconds)``."""
+    batch on CUDA (2 on a CPU): ``(model options, module, figures)``."""
     from lightning_muon.recipes.cli import CONFIGS, load_config
     from lightning_muon.recipes.module import DiTModule
 
     full = load_config(config or CONFIGS / "dit_xl2_imagenet256.yaml")
     model = {k: v for k, v in full["model"].items() if k not in ("vae_path", "text_encoder_path")}
     if model.get("architecture", "dit") != "dit":
-        return model, None, {}, 0.0
+        return model, None, {}
     model["model_config"] = {**model["model_config"], "num_layers": 2}
     batch = full["data"]["init_args"]["batch_size"] if device.type == "cuda" else 2
     net = model["model_config"]
@@ -278,19 +278,18 @@ def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, d
     _sync(device)
     figures = {"loss": loss.item(), "seconds": time.perf_counter() - start, "batch": batch, "layers": 2}
     figures["of_layers"] = full["model"]["model_config"].get("num_layers", 28)
-    return model, module, figures, figures["seconds"]
+    return model, module, figures
 
 
 def train_step(device: torch.device, config: str | None = None) -> Result:
     """One step of the shrunken config."""
-    _, module, figures, seconds = _shrunk_step(device, config)
+    _, module, figures = _shrunk_step(device, config)
     if module is None:
         return Result("train step", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
     if not torch.isfinite(torch.tensor(figures["loss"])):
         return Result("train step", "FAILED", f"non-finite loss {figures['loss']}", figures)
-    detail = (
-        f"2 of {figures['of_layers']} blocks, batch {figures['batch']}: loss {figures['loss']:.3f}, {seconds:.1f} s"
-    )
+    blocks = f"2 of {figures['of_layers']} blocks, batch {figures['batch']}"
+    detail = f"{blocks}: loss {figures['loss']:.3f}, {figures['seconds']:.1f} s"
     return Result("train step", "ok", detail, figures)
 
 
@@ -303,7 +302,7 @@ def memory(device: torch.device, config: str | None = None, guidance: float = 1.
     from lightning_muon.recipes.memory import GIB, memory_per_gpu
 
     torch.cuda.reset_peak_memory_stats(device)
-    model, module, figures, _ = _shrunk_step(device, config)
+    model, module, figures = _shrunk_step(device, config)
     if module is None:
         return Result("memory", "skipped", "only class-conditional DiT configs (no text encoder weights here)")
     train_peak = torch.cuda.max_memory_allocated(device) / GIB
