@@ -445,8 +445,10 @@ def compiled_rownorm_kernels() -> tuple[Callable[..., Tensor], Callable[..., Non
         if min(W.shape) < 2:
             return rownorm_update_(W, M, G, sumsq, beta, nesterov, decay, scale, eps, ok, gamma)
 
+        dtype = torch.promote_types(W.dtype, torch.float32)  # as a Python scalar is applied (float64 stays exact)
+
         def on_device(value: float | Tensor) -> Tensor:  # a fill kernel, not a host-to-device copy
-            return value if isinstance(value, Tensor) else torch.full((), value, dtype=torch.float32, device=W.device)
+            return value if isinstance(value, Tensor) else torch.full((), value, dtype=dtype, device=W.device)
 
         ok = torch.ones((), dtype=torch.bool, device=W.device) if ok is None else ok
         update(W, M, G, sumsq, beta, nesterov, on_device(decay), on_device(scale), eps, ok, on_device(gamma))
