@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["HostCopy", "copy_to_host", "generator"]
+__all__ = ["HostCopy", "generator"]
 
 
 def generator(device: torch.device | str, seed: int) -> torch.Generator:
@@ -39,7 +39,3 @@ class HostCopy:
             self._ready.synchronize()
             self._ready = None
         return self._host
-
-
-def copy_to_host(tensor: Tensor) -> HostCopy:
-    return HostCopy(tensor)

@@ -209,21 +209,26 @@ def _collective_worker(rank: int, world: int, port: int, mib: int, out: str) -> 
     dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def collectives(device: torch.device, mib: int = 64) -> Result:
     world = torch.cuda.device_count() if device.type == "cuda" else 0
     if world < 2:
         return Result("collectives", "skipped", "fewer than 2 GPUs" if world else "no CUDA (NCCL)")
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
+    with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rates.json")
-        mp.spawn(_collective_worker, args=(world, port, mib, out), nprocs=world)
+        mp.spawn(_collective_worker, args=(world, _free_port(), mib, out), nprocs=world)
         figures = json.loads(Path(out).read_text())
     detail = f"{world} GPUs, {mib} MiB: " + ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
     return Result("collectives", "ok", detail, figures)
@@ -346,13 +351,8 @@ def _ranks(device: torch.device) -> int:
 
 def _torchrun(nproc: int, module: str, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m torch.distributed.run --nproc-per-node nproc -m module args`` on 127.0.0.1."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(port), "-m", module, *args]  # fmt: skip
+           "127.0.0.1", "--master-port", str(_free_port()), "-m", module, *args]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -87,7 +87,7 @@ class FakeHostCopy:
 def fake_cuda(monkeypatch) -> Iterator[Findings]:
     """Fake CUDA tensors and the :class:`Watch` (entered inside the fake mode, so it sees fake tensors)."""
     monkeypatch.setattr(lightning_muon.device, "generator", lambda device, seed: torch.Generator().manual_seed(seed))
-    monkeypatch.setattr(lightning_muon.device, "copy_to_host", FakeHostCopy)
+    monkeypatch.setattr(lightning_muon.device, "HostCopy", FakeHostCopy)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # FSDP2 asks which GPU this rank has
     findings = Findings()
     with FakeTensorMode(), Watch(findings):

@@ -143,7 +143,7 @@ class AdaptiveSchedule(FixedSchedule):
             state["refresh_age"].add_(1)
             self.settle(state)  # one drift in flight per matrix
             verdict = torch.ones_like(drift) if ok is None else ok.to(drift.dtype)
-            self._pending[id(state)] = device.copy_to_host(torch.stack([drift, verdict]))
+            self._pending[id(state)] = device.HostCopy(torch.stack([drift, verdict]))
             if not drift.is_cuda:  # the value is on the host already
                 self.settle(state)
 
