@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import shutil
@@ -24,14 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 __all__ = [
     "META_FILE",
+    "AtomicCheckpointIO",
     "MetadataUnpickler",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
+    "StorageError",
     "atomic_save",
     "atomic_write",
     "check_weights_file",
@@ -39,6 +43,7 @@ __all__ = [
     "is_distributed_checkpoint",
     "load_distributed",
     "newest_checkpoint",
+    "on_rank_zero",
     "read_metadata",
     "remove_checkpoint",
     "resolve_checkpoint",
@@ -133,8 +138,10 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
     path = Path(path)
     try:
         if not is_distributed_checkpoint(path):
+            if not path.exists():
+                return "no such file or directory"
             if not path.is_file():
-                return "no such checkpoint file or distributed-checkpoint directory (with .metadata)"
+                return "neither a checkpoint file nor a distributed-checkpoint directory (with .metadata)"
             torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             return None
         metadata = read_metadata(path)
@@ -150,7 +157,8 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
                 return f"shard {name} is missing or truncated (needs {size} bytes)"
         _check_byte_entries(path, metadata)
     except Exception as err:  # noqa: BLE001 - any failure to read means "do not trust"
-        return f"{type(err).__name__}: {err}"
+        first = str(err).strip().splitlines()[0].split(". ")[0] if str(err).strip() else ""
+        return f"{type(err).__name__}: {first}"
     return None
 
 
@@ -236,34 +244,72 @@ def load_distributed(state: dict[str, Any], path: str | os.PathLike) -> None:
 
 
 def save_distributed_checkpoint(
-    state: dict[str, Any], meta: dict[str, Any], path: str | os.PathLike, rank: int, barrier: Callable[[], None]
+    state: dict[str, Any], meta: dict[str, Any], path: str | os.PathLike, rank: int, broadcast: Callable[[Any], Any]
 ) -> None:
     """Write ``state`` with torch.distributed.checkpoint and ``meta`` as ``meta.pt`` (rank 0) into
-    ``.<name>.partial``, then rename it to ``path``. Every rank calls it with the same ``path``.
+    ``.<name>.partial``, then rename it to ``path``. Every rank calls it with the same ``path``; ``broadcast(obj)``
+    returns rank 0's ``obj`` on every rank (a collective, also the barrier).
 
     An existing ``path`` is first renamed to ``.<name>.old`` and deleted after the new one is in place, so at every
     instant ``path`` is either the old complete checkpoint, the new complete one, or (between the two renames)
-    absent with the old one restorable (:func:`newest_checkpoint` does it)."""
+    absent with the old one restorable (:func:`newest_checkpoint` does it). A failure on any rank (a full disk: a
+    :class:`StorageError` naming the bytes needed) is raised on every rank, and the partial directory removed.
+
+    Raises:
+        StorageError: the disk filled or the directory is not writable (on every rank).
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     partial, old = path.with_name(f".{path.name}{_PARTIAL}"), path.with_name(f".{path.name}{_OLD}")
-    if rank == 0:
+
+    def start() -> None:
         shutil.rmtree(partial, ignore_errors=True)  # what a killed save left
         partial.mkdir(parents=True)
-    barrier()
-    dcp.save(state, checkpoint_id=partial)  # every rank's shards, then the coordinator's .metadata
-    if rank == 0:
-        atomic_save(meta, partial / META_FILE)
+
+    def finish() -> None:
+        try:
+            atomic_save(meta, partial / META_FILE)
+        except OSError:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         if path.is_file():
             path.unlink()
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():
             os.rename(path, old)
         os.rename(partial, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
         shutil.rmtree(old, ignore_errors=True)
-    barrier()  # when any rank returns, the checkpoint is in place
+
+    on_rank_zero(start, rank, broadcast)
+    try:
+        dcp.save(state, checkpoint_id=partial)  # every rank's shards, then the coordinator's .metadata
+    except CheckpointException as err:  # raised on every rank, with every rank's failure
+        failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+        full = next((f for f in failures if getattr(f, "errno", None) in (errno.ENOSPC, errno.EDQUOT)), None)
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if full is not None:
+            raise disk_full(partial, payload_bytes(state), full) from None
+        raise
+    on_rank_zero(finish, rank, broadcast)  # when any rank returns, the checkpoint is in place
+
+
+def on_rank_zero(step: Callable[[], None], rank: int, broadcast: Callable[[Any], Any]) -> None:
+    """``step()`` (a write) on rank 0 only; an ``OSError`` it raises is raised on every rank, as a
+    :class:`StorageError` (the other ranks would otherwise wait for rank 0 at their next collective until the
+    timeout). ``broadcast(obj)`` returns rank 0's ``obj`` on every rank."""
+    error = None
+    if rank == 0:
+        try:
+            step()
+        except OSError as err:
+            error = err if isinstance(err, StorageError) else StorageError(err.errno, f"{err}")
+    failure = broadcast(None if error is None else (error.errno, error.strerror))
+    if failure is not None:
+        raise error if error is not None else StorageError(*failure)
 
 
 def remove_checkpoint(path: str | os.PathLike) -> None:
@@ -279,28 +325,132 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
         path.unlink()
 
 
+class StorageError(OSError):
+    """A write that cannot happen — the disk is full, the directory is not writable — as one line naming the
+    place and what to do. Nothing partial is left under the target's name."""
+
+
+def disk_full(path: Path, needed: int | None, err: OSError | None = None) -> StorageError:
+    """The error for a full disk (``ENOSPC`` / ``EDQUOT``) while writing ``path``: the directory, the bytes needed,
+    the bytes free."""
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    need = f"needs {_size(needed)}" if needed else "does not fit"
+    return StorageError(
+        getattr(err, "errno", errno.ENOSPC),
+        f"No space left in {path.parent}: {path.name} {need}, {_size(free)} free. Free space or write elsewhere; "
+        "no partial file was left and the previous checkpoints are intact.",
+    )
+
+
+def not_writable(directory: Path, err: OSError) -> StorageError:
+    return StorageError(err.errno, f"Cannot write to {directory} ({err.strerror or err}): choose a writable directory.")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB ({n} bytes)"
+
+
+def payload_bytes(obj: object) -> int:
+    """Bytes of the tensors in a nested container (a checkpoint's size, within its pickled structure)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 0
+
+
+class _ErrorKeepingFile:
+    """A binary file whose write errors are kept: ``torch.save`` reports a failed write (a full disk) as a bare
+    ``RuntimeError`` from its zip writer, without the ``OSError``."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _torch_save(obj: object, path: Path) -> None:
+    with open(path, "wb") as f:
+        sink = _ErrorKeepingFile(f)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError:
+            if sink.error is not None:
+                raise sink.error from None
+            raise
+
+
 def atomic_save(obj: object, path: str | os.PathLike) -> None:
-    """``torch.save`` through :func:`atomic_write`: readers never see a half-written file."""
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    """``torch.save`` through :func:`atomic_write`: readers never see a half-written file; a full disk is a
+    :class:`StorageError` naming the bytes needed (the tensors' bytes) — checked before writing, when known."""
+    atomic_write(path, lambda tmp: _torch_save(obj, tmp), needed=payload_bytes(obj))
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any]) -> None:
-    """``write(tmp)`` to a temporary file beside ``path``, then rename it over ``path``: readers never see a
-    half-written file. The temporary name holds host and pid, so concurrent writers never share one, and the
-    temporaries of killed writers on this host are removed by the next write."""
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], needed: int | None = None) -> None:
+    """``write(tmp)`` to a temporary file beside ``path`` (same directory, same filesystem), fsync it, rename it over
+    ``path``, fsync the directory: readers never see a half-written file, and after a crash ``path`` is the old file
+    or the new one. The temporary name holds host and pid, so concurrent writers never share one, and the
+    temporaries of killed writers on this host are removed by the next write.
+
+    Raises:
+        StorageError: the disk is full (also before writing, when ``needed`` bytes are more than are free) or the
+            directory is not writable; the temporary is removed and ``path`` untouched.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise not_writable(path.parent, err) from None
     host = socket.gethostname()
     for stale in path.parent.glob(f".{path.name}.{host}-*.tmp"):
         pid = stale.name[len(f".{path.name}.{host}-") : -len(".tmp")]
         if pid.isdigit() and not _pid_alive(int(pid)):
             stale.unlink(missing_ok=True)
+    if needed and shutil.disk_usage(path.parent).free < needed:
+        raise disk_full(path, needed)
     tmp = path.with_name(f".{path.name}.{host}-{os.getpid()}.tmp")
     try:
         write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(path.parent)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise disk_full(path, needed, err) from None
+        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise not_writable(path.parent, err) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO`` with crash-consistent saves: :func:`atomic_save` (written beside the target,
+    fsynced, renamed) instead of Lightning's, which writes the whole file into the system's temporary directory and
+    moves it — across filesystems a second copy, a truncated file under the final name when the disk fills, and a
+    large checkpoint passing through a node's small ``/tmp``. A full disk is one :class:`StorageError` line.
+
+    ``lightning-muon`` and ``muon_fsdp`` use it; give it to your own Trainer with
+    ``Trainer(plugins=[AtomicCheckpointIO()])``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}.")
+        atomic_save(checkpoint, path)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        remove_checkpoint(path)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -313,7 +463,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory's entries') data to the device."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

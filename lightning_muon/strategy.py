@@ -51,10 +51,11 @@ from typing_extensions import override
 
 from lightning_muon.checkpoint import (
     META_FILE,
-    atomic_save,
+    AtomicCheckpointIO,
     checkpoint_problem,
     is_distributed_checkpoint,
     load_distributed,
+    on_rank_zero,
     remove_checkpoint,
     resolve_checkpoint,
     save_distributed_checkpoint,
@@ -169,6 +170,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        self.checkpoint_io = AtomicCheckpointIO()  # a plugin given to the Trainer replaces it
         self.hsdp = hsdp
         self.mp_policy = mp_policy.policy() if isinstance(mp_policy, MixedPrecision) else mp_policy
         self.reshard_after_forward = reshard_after_forward
@@ -264,20 +266,24 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Crash-consistent saves: a distributed checkpoint is written beside its target and renamed into place when
         complete (:func:`~lightning_muon.checkpoint.save_distributed_checkpoint`); a full one is written by rank 0
-        under a temporary name. Every rank's dataloader position is kept (``combined_loader_per_rank``)."""
+        through ``checkpoint_io`` (:class:`~lightning_muon.checkpoint.AtomicCheckpointIO`). A failure on rank 0 is
+        raised on every rank. Every rank's dataloader position is kept (``combined_loader_per_rank``)."""
         if storage_options is not None:
             raise TypeError("muon_fsdp writes checkpoints itself: storage_options is not supported.")
         path = Path(self.broadcast(str(filepath)))
         self._keep_loader_positions(checkpoint)
         if not self._save_distributed_checkpoint:
-            if self.is_global_zero:
+
+            def save() -> None:
                 if path.is_dir():
                     remove_checkpoint(path)
-                atomic_save(checkpoint, path)
+                self.checkpoint_io.save_checkpoint(checkpoint, path)
+
+            on_rank_zero(save, self.global_rank, self.broadcast)
             return
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_distributed_checkpoint(state, checkpoint, path, self.global_rank, self.barrier)
+        save_distributed_checkpoint(state, checkpoint, path, self.global_rank, self.broadcast)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
-from lightning_muon.recipes.module import DiTModule, checked_hparams
+from lightning_muon.checkpoint import StorageError
+from lightning_muon.recipes.module import DiTModule
 
 CONFIGS = Path(__file__).parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "digits_tiny.yaml"
@@ -74,21 +74,27 @@ class MuonCLI(LightningCLI):
             parser._subcommands_action.add_subcommand(name, self.init_parser(description=text), help=text)
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning feeds a single-file checkpoint's hyper-parameters back through the parser; here they pass
-        :func:`~lightning_muon.recipes.module.checked_hparams` first, so a checkpoint can never name a class to
-        instantiate (a bad one is a short parser error naming ``--ckpt_path``)."""
+        """``--ckpt_path``, under every subcommand, before anything is built: a directory that is not a checkpoint
+        becomes the newest complete checkpoint under it; the checkpoint must be complete, its hyper-parameters plain
+        data of DiTModule's types whose sizes are those of its weights
+        (:func:`~lightning_muon.recipes.trust.checked_checkpoint`: no class is named, nothing sized by the file is
+        allocated). They replace the configured model's, as Lightning does for single files (here also for
+        distributed checkpoints). A file that fails is one line naming it and what is wrong (exit code 2)."""
+        from lightning_muon.checkpoint import resolve_checkpoint
+        from lightning_muon.recipes.trust import checked_checkpoint
+
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not ckpt_path or not Path(ckpt_path).is_file():
-            return
-        hparams = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True).get("hyper_parameters")
-        if not hparams:
+        if ckpt_path in (None, "last", "best", "hpc", "registry"):
             return
         try:
-            checked = checked_hparams(hparams)
-        except ValueError as err:
-            self.parser.error(f"--ckpt_path {ckpt_path}: {err}")
-        self.config = self.parser.parse_object({subcommand: {"model": checked}}, self.config)
+            path = resolve_checkpoint(ckpt_path)
+            hparams = checked_checkpoint(path)
+        except (FileNotFoundError, ValueError) as err:
+            sys.stderr.write(f"error: --ckpt_path: {err}\n")
+            sys.exit(2)
+        self.config[subcommand]["ckpt_path"] = str(path)
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
     def instantiate_classes(self) -> None:
         """Build the configured objects; a value they refuse (``ValueError``, e.g. ``--model.period 0`` or
@@ -102,23 +108,23 @@ class MuonCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         """The trainer, with step progress unless the progress bar is disabled or another one is configured: a
         :class:`~lightning_muon.callbacks.StepProgressBar` in a terminal,
-        :class:`~lightning_muon.callbacks.LineProgress` lines when stdout is redirected (a log file, a Slurm job)."""
+        :class:`~lightning_muon.callbacks.LineProgress` lines when stdout is redirected (a log file, a Slurm job);
+        and :class:`~lightning_muon.checkpoint.AtomicCheckpointIO` unless a ``CheckpointIO`` plugin is configured."""
+        from lightning.fabric.plugins import CheckpointIO
         from lightning.pytorch.callbacks import ProgressBar
 
         from lightning_muon.callbacks import LineProgress, StepProgressBar
+        from lightning_muon.checkpoint import AtomicCheckpointIO
 
         config = self._get(self.config_init, "trainer", default={})
         callbacks = list(config.get("callbacks") or [])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             config["callbacks"] = [*callbacks, StepProgressBar() if sys.stdout.isatty() else LineProgress()]
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):  # crash-consistent saves under every strategy
+            config["plugins"] = [*plugins, AtomicCheckpointIO()]
         return super().instantiate_trainer(**kwargs)
-
-    def before_fit(self) -> None:
-        from lightning_muon.checkpoint import resolve_checkpoint
-
-        config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") not in (None, "last", "best", "hpc"):
-            config["ckpt_path"] = str(resolve_checkpoint(config["ckpt_path"]))
 
     def after_fit(self) -> None:
         summary = fit_summary(self.trainer)  # on every rank: trainer.log_dir is a collective
@@ -184,22 +190,26 @@ def main(args: list[str] | None = None) -> None:
         from lightning_muon.recipes.doctor import main as doctor
 
         sys.exit(doctor(argv[1:]))
-    MuonCLI(
-        DiTModule,
-        L.LightningDataModule,
-        subclass_mode_data=True,
-        parser_class=ShortUsageParser,
-        parser_kwargs={
-            # no abbreviations: `--trainer.max_step 20` is an error, not max_steps
-            **{
-                sub: {"default_config_files": [str(DEFAULT_CONFIG)], "allow_abbrev": False}
-                for sub in ("fit", "validate", "test", "predict")
+    try:
+        MuonCLI(
+            DiTModule,
+            L.LightningDataModule,
+            subclass_mode_data=True,
+            parser_class=ShortUsageParser,
+            parser_kwargs={
+                # no abbreviations: `--trainer.max_step 20` is an error, not max_steps
+                **{
+                    sub: {"default_config_files": [str(DEFAULT_CONFIG)], "allow_abbrev": False}
+                    for sub in ("fit", "validate", "test", "predict")
+                },
+                "allow_abbrev": False,
+                "description": "Train Diffusion Transformers with Periodic Row-wise Muon.",
             },
-            "allow_abbrev": False,
-            "description": "Train Diffusion Transformers with Periodic Row-wise Muon.",
-        },
-        args=args,
-    )
+            args=args,
+        )
+    except StorageError as err:  # a full disk, a read-only directory: the place and what to do, not a traceback
+        sys.stderr.write(f"error: {err.strerror}\n")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

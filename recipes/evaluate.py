@@ -23,13 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_muon.checkpoint import (
-    META_FILE,
-    atomic_write,
-    checkpoint_problem,
-    is_distributed_checkpoint,
-    load_distributed,
-)
+from lightning_muon.checkpoint import atomic_write, is_distributed_checkpoint, load_distributed
 from lightning_muon.metrics.evaluation import (
     METRIC_NAMES,
     MetricSuite,
@@ -44,10 +38,10 @@ from lightning_muon.metrics.features import cache_dir
 from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.module import DiTModule, checked_hparams
 from lightning_muon.recipes.networks import build_transformer, cast
+from lightning_muon.recipes.trust import checked_checkpoint, checkpoint_meta
 
 __all__ = [
     "build_parser",
-    "checkpoint_meta",
     "find_checkpoints",
     "load_generator",
     "main",
@@ -98,15 +92,6 @@ def plan_checkpoints(
     return todo, failed
 
 
-def checkpoint_meta(path: Path) -> dict[str, Any]:
-    """A checkpoint's ``hyper_parameters``, ``global_step`` and the rest, without its tensors: ``meta.pt`` beside a
-    distributed checkpoint's shards, or the single file memory-mapped (``torch.load(weights_only=True)``)."""
-    if is_distributed_checkpoint(path):
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=True)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-
-
 def module_from_hparams(hparams: dict[str, Any] | None) -> DiTModule:
     """A :class:`DiTModule` for sampling from saved hyperparameters, checked first
     (:func:`~lightning_muon.recipes.module.checked_hparams`: plain data of the right types, nothing instantiated from
@@ -127,11 +112,9 @@ def load_generator(
     """The sampling network of a checkpoint — its EMA weights when it has them, else the trained ones — and the
     checkpoint's metadata. Only those weights are read (from a distributed checkpoint with a partial
     ``torch.distributed.checkpoint.load``), never the optimizer state or the other copy, directly in ``dtype``."""
-    if problem := checkpoint_problem(path):
-        raise ValueError(f"Checkpoint {path} is incomplete or damaged: {problem}")
+    hparams = checked_checkpoint(path, meta)  # complete, typed, and its sizes those of its weights
     meta = checkpoint_meta(path) if meta is None else meta  # the sweep read it already when it planned
-    hparams = meta.get("hyper_parameters")
-    module = module_from_hparams(hparams)  # checks them: ema_decay below is a float
+    module = module_from_hparams(hparams)
     prefix = "ema." if hparams.get("ema_decay", 0) > 0 else "model."
     net = cast(module.model, dtype).to_empty(device=device)
     module.on_materialized()  # buffers that are not in the state dict (sin-cos position tables)

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import inspect
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -158,6 +159,16 @@ class DiTModule(L.LightningModule):
         # Frozen models (VAE, text encoder) live in a plain dict, not as registered submodules: they are no FSDP
         # units, never in state_dict() or checkpoints (reloaded from their paths), never passed to the optimizer.
         self._frozen: dict[str, nn.Module] = {}
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> DiTModule:
+        """Lightning's ``load_from_checkpoint``, after :func:`~lightning_muon.recipes.trust.checked_checkpoint` of a
+        file given by path: nothing sized by the file is allocated before its sizes are those of its weights."""
+        from lightning_muon.recipes.trust import checked_checkpoint
+
+        if isinstance(checkpoint_path, (str, os.PathLike)):
+            checked_checkpoint(checkpoint_path)
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------- model
     @property

@@ -75,6 +75,14 @@ class PromptEncoder(nn.Module):
         encoder_cls = T5EncoderModel if config.model_type == "t5" else AutoModel
         self.encoder = load_local(encoder_cls, path, "text_encoder_path").eval().requires_grad_(False)
         self.tokenizer = load_local(AutoTokenizer, path, "text_encoder_path")
+        # a caption length read from a checkpoint is a size like any other: at most the positions the encoder has
+        declared = (getattr(self.tokenizer, "model_max_length", None), getattr(config, "n_positions", None))
+        limit = min((n for n in declared if isinstance(n, int) and 0 < n < 1 << 20), default=1 << 20)
+        if not 1 <= max_length <= limit:
+            raise ValueError(
+                f"max_caption_length must be in [1, {limit}] (the positions of the text encoder at {path!r}), "
+                f"got {max_length}."
+            )
         self.max_length = max_length
 
     @torch.no_grad()
