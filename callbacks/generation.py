@@ -50,11 +50,18 @@ def sample_grid(images: Tensor, min_size: int = 256) -> Tensor:
 
 
 def append_jsonl(path: str | os.PathLike, row: dict[str, Any]) -> None:
-    """Append one JSON line atomically: the file is rewritten under a temporary name and renamed."""
+    """Append one JSON line atomically (the file is rewritten under a temporary name and renamed), replacing a line of
+    the same ``step``: a run resumed from before an evaluation it had logged logs it once."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = path.read_text() if path.is_file() else ""
-    atomic_write(path, lambda tmp: tmp.write_text(old + json.dumps(row) + "\n"))
+    kept = [line for line in (path.read_text().splitlines() if path.is_file() else []) if _step(line) != row["step"]]
+    atomic_write(path, lambda tmp: tmp.write_text("".join(f"{line}\n" for line in [*kept, json.dumps(row)])))
+
+
+def _step(line: str) -> object:
+    try:
+        return json.loads(line).get("step")
+    except (ValueError, AttributeError):  # not a JSON object: kept as it is
+        return None
 
 
 class GenerationEvaluation(Callback):

@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pickle
 import shutil
 import socket
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +40,14 @@ __all__ = [
     "StorageError",
     "atomic_save",
     "atomic_write",
+    "check_writable",
     "check_weights_file",
     "checkpoint_problem",
     "is_distributed_checkpoint",
     "load_distributed",
     "newest_checkpoint",
     "on_rank_zero",
+    "exit_on_storage_error",
     "read_metadata",
     "remove_checkpoint",
     "resolve_checkpoint",
@@ -292,7 +296,7 @@ def save_distributed_checkpoint(
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         if full is not None:
-            raise disk_full(partial, payload_bytes(state), full) from None
+            raise disk_full(path, payload_bytes(state), full) from None
         raise
     on_rank_zero(finish, rank, broadcast)  # when any rank returns, the checkpoint is in place
 
@@ -330,15 +334,41 @@ class StorageError(OSError):
     place and what to do. Nothing partial is left under the target's name."""
 
 
-def disk_full(path: Path, needed: int | None, err: OSError | None = None) -> StorageError:
-    """The error for a full disk (``ENOSPC`` / ``EDQUOT``) while writing ``path``: the directory, the bytes needed,
-    the bytes free."""
+def check_writable(directory: str | os.PathLike) -> None:
+    """Create ``directory`` and a file in it (removed again), or raise :class:`StorageError` naming it: a read-only
+    output directory is found before any work, not at the first checkpoint."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-probe.{socket.gethostname()}-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise not_writable(directory, err) from None
+
+
+@contextlib.contextmanager
+def exit_on_storage_error() -> Iterator[None]:
+    """A :class:`StorageError` ends the command with its one line on stderr (exit code 1), not a traceback."""
+    try:
+        yield
+    except StorageError as err:
+        sys.stderr.write(f"error: {err.strerror}\n")
+        raise SystemExit(1) from None
+
+
+def disk_full(path: Path, needed: int | None, err: OSError | None = None, written: int = 0) -> StorageError:
+    """The error for a full disk (``ENOSPC`` / ``EDQUOT``) while writing ``path``: the directory, the bytes needed
+    (more than ``written`` when the disk filled after that many), the bytes free."""
     free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-    need = f"needs {_size(needed)}" if needed else "does not fit"
+    if written and written >= (needed or 0):
+        need = f"needs more than {_size(written)}"
+    else:
+        need = f"needs {_size(needed)}" if needed else "does not fit"
     return StorageError(
         getattr(err, "errno", errno.ENOSPC),
-        f"No space left in {path.parent}: {path.name} {need}, {_size(free)} free. Free space or write elsewhere; "
-        "no partial file was left and the previous checkpoints are intact.",
+        f"No space left in {path.parent}: {path.name} {need}, {_size(free)} free. Nothing partial was left (an "
+        f"older {path.name} is intact); free space or write elsewhere.",
     )
 
 
@@ -347,7 +377,7 @@ def not_writable(directory: Path, err: OSError) -> StorageError:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB ({n} bytes)"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 def payload_bytes(obj: object) -> int:
@@ -425,9 +455,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], Any], needed: 
         os.replace(tmp, path)
         _fsync(path.parent)
     except OSError as err:
+        written = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise disk_full(path, needed, err) from None
+            raise disk_full(path, needed, err, written) from None
         if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise not_writable(path.parent, err) from None
         raise

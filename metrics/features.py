@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_muon.checkpoint import atomic_save
+from lightning_muon.checkpoint import StorageError, atomic_save
 from lightning_muon.metrics.images import check_images, clean_resize, normalize, pil_resize, to_uint8, to_unit_float
 
 __all__ = [
@@ -46,6 +46,15 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 def cache_dir() -> Path:
     """``$LIGHTNING_MUON_CACHE`` or ``~/.cache/lightning_muon``."""
     return Path(os.environ.get("LIGHTNING_MUON_CACHE", Path.home() / ".cache" / "lightning_muon"))
+
+
+def save_to_cache(obj: object, path: Path, what: str) -> None:
+    """``atomic_save`` into the cache; a cache that cannot be written (a full disk, a read-only directory) is a
+    warning, not a failure: ``what`` is then computed again next time."""
+    try:
+        atomic_save(obj, path)
+    except StorageError as err:
+        log.warning("%s not cached: %s", what, err.strerror)
 
 
 def parameters_digest(module: nn.Module) -> str:
@@ -403,10 +412,12 @@ class DigitsFeatures(FeatureExtractor):
         super().__init__(**kwargs)
         self.net = _DigitsNet()
         path = Path(path) if path is not None else cache_dir() / "digits_classifier.pt"
-        if not path.is_file():
-            atomic_save(_train_digits_classifier(), path)
-            log.info("Trained the digits feature classifier and cached it at %s", path)
-        self.net.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if path.is_file():
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            state = _train_digits_classifier()
+            save_to_cache(state, path, "The digits feature classifier")
+        self.net.load_state_dict(state)
         self.net.eval()
 
     def features(self, images: Tensor) -> Tensor:

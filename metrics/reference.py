@@ -15,7 +15,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_muon.checkpoint import atomic_save
-from lightning_muon.metrics.features import FeatureExtractor
+from lightning_muon.metrics.features import FeatureExtractor, save_to_cache
 from lightning_muon.parallelize import rank_and_world
 
 __all__ = ["ReferenceCache", "ensure_reference", "ensure_references", "update_with_images", "write_reference"]
@@ -95,11 +95,14 @@ class ReferenceCache:
             raise RuntimeError("Reference statistics are loaded: update with generated images only (real=False).")
 
 
+def _reference_file(tag: dict[str, Any], reference: Mapping[str, Tensor]) -> dict[str, Any]:
+    return {**tag, "reference": {k: v.cpu() for k, v in reference.items()}}
+
+
 def write_reference(path: str | os.PathLike, tag: dict[str, Any], reference: Mapping[str, Tensor]) -> None:
     """Rank 0 writes ``tag`` and the reference tensors to ``path`` atomically."""
     if _rank_zero():
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_save({**tag, "reference": {k: v.cpu() for k, v in reference.items()}}, path)
+        atomic_save(_reference_file(tag, reference), path)
 
 
 def update_with_images(
@@ -180,7 +183,9 @@ def ensure_references(
         update_with_images(missing, real_batches(), real=True, progress=progress, desc="reference")
         for name, m in missing.items():
             cached[name] = m.synced_reference()
-            write_reference(paths[name], tags[name], cached[name])
+            if _rank_zero():  # a cache: a full disk or a read-only directory is a warning
+                path = Path(paths[name])
+                save_to_cache(_reference_file(tags[name], cached[name]), path, "Reference statistics")
     for name, m in metrics.items():
         m.set_reference(cached[name])
         m.reset()  # drop the per-rank real states; the reference replaces them

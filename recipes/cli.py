@@ -18,7 +18,7 @@ import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
-from lightning_muon.checkpoint import StorageError
+from lightning_muon.checkpoint import exit_on_storage_error
 from lightning_muon.recipes.module import DiTModule
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -96,6 +96,13 @@ class MuonCLI(LightningCLI):
         self.config[subcommand]["ckpt_path"] = str(path)
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
+    def before_instantiate_classes(self) -> None:
+        """A read-only output directory is one line before anything is built, not a traceback at the first log."""
+        from lightning_muon.checkpoint import check_writable
+
+        if self.subcommand:
+            check_writable(self.config[self.subcommand].trainer.get("default_root_dir") or ".")
+
     def instantiate_classes(self) -> None:
         """Build the configured objects; a value they refuse (``ValueError``, e.g. ``--model.period 0`` or
         ``--data.batch_size 0``) is a short parser error naming it, like a value of the wrong type, not a
@@ -109,17 +116,21 @@ class MuonCLI(LightningCLI):
         """The trainer, with step progress unless the progress bar is disabled or another one is configured: a
         :class:`~lightning_muon.callbacks.StepProgressBar` in a terminal,
         :class:`~lightning_muon.callbacks.LineProgress` lines when stdout is redirected (a log file, a Slurm job);
-        and :class:`~lightning_muon.checkpoint.AtomicCheckpointIO` unless a ``CheckpointIO`` plugin is configured."""
+        :class:`~lightning_muon.callbacks.Preemption` (signals acted on between steps), and
+        :class:`~lightning_muon.checkpoint.AtomicCheckpointIO` unless a ``CheckpointIO`` plugin is configured."""
         from lightning.fabric.plugins import CheckpointIO
         from lightning.pytorch.callbacks import ProgressBar
 
-        from lightning_muon.callbacks import LineProgress, StepProgressBar
+        from lightning_muon.callbacks import LineProgress, Preemption, StepProgressBar
         from lightning_muon.checkpoint import AtomicCheckpointIO
 
         config = self._get(self.config_init, "trainer", default={})
         callbacks = list(config.get("callbacks") or [])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            config["callbacks"] = [*callbacks, StepProgressBar() if sys.stdout.isatty() else LineProgress()]
+            callbacks.append(StepProgressBar() if sys.stdout.isatty() else LineProgress())
+        if not any(isinstance(c, Preemption) for c in callbacks):  # SIGTERM / Slurm's requeue between steps
+            callbacks.append(Preemption())
+        config["callbacks"] = callbacks
         plugins = config.get("plugins") or []
         plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(p, CheckpointIO) for p in plugins):  # crash-consistent saves under every strategy
@@ -190,7 +201,7 @@ def main(args: list[str] | None = None) -> None:
         from lightning_muon.recipes.doctor import main as doctor
 
         sys.exit(doctor(argv[1:]))
-    try:
+    with exit_on_storage_error():  # a full disk, a read-only directory: the place and what to do, not a traceback
         MuonCLI(
             DiTModule,
             L.LightningDataModule,
@@ -207,9 +218,6 @@ def main(args: list[str] | None = None) -> None:
             },
             args=args,
         )
-    except StorageError as err:  # a full disk, a read-only directory: the place and what to do, not a traceback
-        sys.stderr.write(f"error: {err.strerror}\n")
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import glob
 import logging
 import os
@@ -23,7 +24,13 @@ from typing import Any
 
 import torch
 
-from lightning_muon.checkpoint import atomic_write, is_distributed_checkpoint, load_distributed
+from lightning_muon.checkpoint import (
+    atomic_write,
+    check_writable,
+    exit_on_storage_error,
+    is_distributed_checkpoint,
+    load_distributed,
+)
 from lightning_muon.metrics.evaluation import (
     METRIC_NAMES,
     MetricSuite,
@@ -155,7 +162,7 @@ def write_markdown(rows: list[dict[str, Any]], path: Path) -> None:
     for r in sorted(rows, key=lambda r: (r["run"], int(r["step"]))):
         cells = [f"{float(r[m]):.4g}" if r.get(m) not in (None, "") else "" for m in metrics]
         lines.append(f"| {r['run']} | {r['step']} | " + " | ".join(cells) + " |")
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -177,7 +184,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.legend()
         fig.tight_layout()
         path = out / f"{metric.removeprefix('eval/').replace('/', '_')}.png"
-        fig.savefig(path, dpi=120)
+        atomic_write(path, functools.partial(fig.savefig, dpi=120, format="png"))
         plt.close(fig)
         written.append(path)
     return written
@@ -273,7 +280,11 @@ def _score_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    with exit_on_storage_error():  # a full disk, a read-only --out: one line, exit code 1
+        _evaluate(parser, args)
 
+
+def _evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from tqdm.auto import tqdm
 
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)  # before any checkpoint is scored
     try:  # a missing weights argument, or a file that is not there: a short error naming it
         metrics = MetricSuite(**{name: getattr(args, name) for name in suite_fields()}).build()
     except (ValueError, FileNotFoundError) as err:

@@ -63,6 +63,10 @@ def load_local(cls: Any, path: str, argument: str) -> Any:
         ) from err
 
 
+#: the caption length allowed when neither the tokenizer nor the encoder declares one (PixArt-Sigma uses 300)
+MAX_CAPTION_TOKENS = 4096
+
+
 class PromptEncoder(nn.Module):
     """A frozen transformers text encoder (``T5EncoderModel`` for T5 checkpoints) with its tokenizer, from a local
     directory: prompts → ``{"caption_embeds": (B, L, d), "caption_mask": (B, L)}``, padded to ``max_length``."""
@@ -75,9 +79,10 @@ class PromptEncoder(nn.Module):
         encoder_cls = T5EncoderModel if config.model_type == "t5" else AutoModel
         self.encoder = load_local(encoder_cls, path, "text_encoder_path").eval().requires_grad_(False)
         self.tokenizer = load_local(AutoTokenizer, path, "text_encoder_path")
-        # a caption length read from a checkpoint is a size like any other: at most the positions the encoder has
+        # a caption length read from a checkpoint is a size like any other: at most the tokens the tokenizer (or the
+        # encoder's config) declares, else MAX_CAPTION_TOKENS (T5 has relative positions and declares none itself)
         declared = (getattr(self.tokenizer, "model_max_length", None), getattr(config, "n_positions", None))
-        limit = min((n for n in declared if isinstance(n, int) and 0 < n < 1 << 20), default=1 << 20)
+        limit = min((n for n in declared if isinstance(n, int) and 0 < n < 1 << 20), default=MAX_CAPTION_TOKENS)
         if not 1 <= max_length <= limit:
             raise ValueError(
                 f"max_caption_length must be in [1, {limit}] (the positions of the text encoder at {path!r}), "

@@ -138,8 +138,8 @@ def tiny_text_encoder(path):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(path)
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    ).save_pretrained(path)  # 512: what T5's own tokenizers declare
     torch.manual_seed(0)
     T5EncoderModel(
         T5Config(

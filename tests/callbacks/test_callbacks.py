@@ -17,9 +17,9 @@ from lightning_muon.callbacks import GenerationEvaluation, OptimizerTelemetry
 from lightning_muon.metrics import DigitsFeatures
 from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.evaluate import find_checkpoints, load_generator
-from lightning_muon.recipes.trust import checkpoint_meta
 from lightning_muon.recipes.evaluate import main as evaluate
 from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.trust import checkpoint_meta
 
 
 @pytest.fixture(scope="module")
