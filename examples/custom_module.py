@@ -26,7 +26,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, muon_param_groups
-from lightning_muon.callbacks import GenerationEvaluation, OptimizerTelemetry
+from lightning_muon.callbacks import GenerationEvaluation, OptimizerTelemetry, Preemption
+from lightning_muon.checkpoint import AtomicCheckpointIO
 from lightning_muon.recipes.data import DigitsDataModule
 
 
@@ -136,9 +137,11 @@ def main(argv: list[str] | None = None) -> None:
         max_steps=args.max_steps,
         default_root_dir=args.root,
         log_every_n_steps=10,
+        plugins=[AtomicCheckpointIO()],  # muon_fsdp's default; any other strategy needs it named
         callbacks=[
             evaluation,
             OptimizerTelemetry(),
+            Preemption(),  # SIGTERM / Slurm's requeue signal acted on between steps
             ModelCheckpoint(
                 monitor="eval/fd_digits",
                 mode="min",

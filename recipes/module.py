@@ -175,6 +175,25 @@ class DiTModule(L.LightningModule):
     def model_config(self) -> dict[str, PlainValue]:
         return dict(self.hparams.model_config or TINY_DIT)
 
+    @property
+    def sample_shape(self) -> tuple[int, int, int]:
+        """``(channels, height, width)`` of the network's input: images, or latents with a VAE."""
+        cfg = self.model_config
+        return (int(cfg.get("in_channels", 4)), int(cfg.get("sample_size", 8)), int(cfg.get("sample_size", 8)))
+
+    def setup(self, stage: str) -> None:
+        """The per-sample shapes the training data declares (latent shards' headers) checked against the network's
+        before anything is built or a step runs: a shard of another resolution or VAE is one line, not a shape error
+        deep inside the first forward."""
+        dataset = getattr(self._trainer.datamodule, "train_set", None) if self._trainer is not None else None
+        latents = (getattr(dataset, "schema", None) or {}).get("latents")
+        if latents is not None and tuple(latents["shape"]) != self.sample_shape:
+            raise ValueError(
+                f"The latent shards hold latents of shape {tuple(latents['shape'])}, but model_config expects "
+                f"{self.sample_shape} (in_channels, sample_size, sample_size): encode them with this VAE and "
+                "resolution, or set model_config to match."
+            )
+
     def configure_model(self) -> None:
         """Build the network (and its EMA copy) once.
 
@@ -441,9 +460,7 @@ class DiTModule(L.LightningModule):
             cond_all = {"labels": torch.as_tensor(list(conditions))}
         if len(seeds) != len(next(iter(cond_all.values()))):
             raise ValueError("Pass exactly one seed per condition.")
-        cfg = self.model_config
-        size = cfg.get("sample_size", 8)
-        shape = (cfg.get("in_channels", 4), size, size)
+        shape = self.sample_shape
         was_training = net.training
         net.eval()
         out = []

@@ -162,3 +162,21 @@ def test_the_fault_matrix_passes_every_row(tmp_path):
     print(table(rows))
     assert len(rows) >= 18
     assert [r for r in rows if not r["ok"]] == []
+
+
+def test_latent_shards_of_another_shape_are_refused_before_a_step(tmp_path):
+    import lightning as L
+
+    from lightning_muon.recipes.data import LatentShardsDataModule, write_latent_shard, write_manifest
+
+    write_latent_shard(tmp_path / "a.safetensors", torch.randn(8, 4, 16, 16), labels=torch.arange(8) % 10)
+    write_manifest(tmp_path)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    module = DiTModule(model_config={**TINY_DIT, "in_channels": 4, "sample_size": 8})
+    with pytest.raises(ValueError, match=r"shape \(4, 16, 16\), but model_config expects \(4, 8, 8\)"):
+        trainer.fit(module, LatentShardsDataModule(str(tmp_path), batch_size=4, num_workers=0))
+    assert module.model is None  # refused before the network was built
+    module = DiTModule(model_config={**TINY_DIT, "in_channels": 4, "sample_size": 16})  # the control: it trains
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(module, LatentShardsDataModule(str(tmp_path), batch_size=4, num_workers=0))
+    assert trainer.global_step == 1
