@@ -367,8 +367,8 @@ def disk_full(path: Path, needed: int | None, err: OSError | None = None, writte
         need = f"needs {_size(needed)}" if needed else "does not fit"
     return StorageError(
         getattr(err, "errno", errno.ENOSPC),
-        f"No space left in {path.parent}: {path.name} {need}, {_size(free)} free. Nothing partial was left (an "
-        f"older {path.name} is intact); free space or write elsewhere.",
+        f"No space left in {path.parent}: {path.name} {need}, {_size(free)} free. Nothing partial was left"
+        f"{f' (the existing {path.name} is intact)' if path.exists() else ''}; free space or write elsewhere.",
     )
 
 

@@ -162,7 +162,7 @@ def checked_checkpoint(path: str | os.PathLike, meta: dict[str, Any] | None = No
     if not Path(path).exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if problem := checkpoint_problem(path):
-        raise ValueError(f"Checkpoint {path} cannot be read ({problem}): it is truncated, damaged or not a checkpoint.")
+        raise ValueError(f"Checkpoint {path} is truncated, damaged or not a checkpoint ({problem}).")
     meta = checkpoint_meta(path) if meta is None else meta
     if not meta.get("hyper_parameters"):
         raise ValueError(f"Checkpoint {path} has no hyper_parameters: it was not written by DiTModule.")

@@ -166,7 +166,7 @@ def message_of(proc: subprocess.CompletedProcess, marker: str) -> str:
     """The stderr line holding ``marker`` (the last line when none does)."""
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     found = [line for line in lines if marker in line]
-    return (found[-1] if found else lines[-1] if lines else "")[:220]
+    return (found[-1] if found else lines[-1] if lines else "")[:300]
 
 
 class Matrix:
