@@ -292,13 +292,24 @@ def save_distributed_checkpoint(
         dcp.save(state, checkpoint_id=partial)  # every rank's shards, then the coordinator's .metadata
     except CheckpointException as err:  # raised on every rank, with every rank's failure
         failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
-        full = next((f for f in failures if getattr(f, "errno", None) in (errno.ENOSPC, errno.EDQUOT)), None)
+        full = any(_disk_filled(f, partial) for f in failures)
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        if full is not None:
-            raise disk_full(path, payload_bytes(state), full) from None
+        if full:
+            raise disk_full(path, payload_bytes(state)) from None
         raise
     on_rank_zero(finish, rank, broadcast)  # when any rank returns, the checkpoint is in place
+
+
+def _disk_filled(error: BaseException, directory: Path) -> bool:
+    """Whether a write failed because the disk filled: ``ENOSPC`` / ``EDQUOT`` in the exception chain, or (torch's
+    zip writer reports a failed write as a bare ``RuntimeError``) less than 1 MiB left on the directory's disk."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if getattr(seen, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return directory.exists() and shutil.disk_usage(directory).free < 2**20
 
 
 def on_rank_zero(step: Callable[[], None], rank: int, broadcast: Callable[[Any], Any]) -> None:
