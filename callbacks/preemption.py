@@ -18,6 +18,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_muon import compat
+
 log = logging.getLogger(__name__)
 
 #: the exit code of a process ended by SIGTERM (128 + 15): a pre-empted run never reports success
@@ -51,7 +53,7 @@ class Preemption(Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._flags, self._stop = {"stop": False, "requeue": False}, False
-        environment = trainer._accelerator_connector.cluster_environment  # what Lightning's own handlers read
+        environment = compat.cluster_environment(trainer)  # what Lightning's own handlers read
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = environment.requeue_signal or signal.SIGUSR1
             signal.signal(self._requeue_signal, self._take_note("requeue"))
@@ -94,7 +96,7 @@ class Preemption(Callback):
         for callback in trainer.callbacks:  # the average of this step, whatever the callback order
             if isinstance(callback, EMA):
                 callback.update(trainer, pl_module)
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = compat.hpc_save_path(trainer)
         trainer.save_checkpoint(path)
         rank_zero_info(f"Slurm pre-emption: saved {path} at step {trainer.global_step}.")
         if trainer.is_global_zero:

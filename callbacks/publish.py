@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import lightning as L
 
+from lightning_muon import compat
+
 
 def publish_scalars(
     trainer: L.Trainer, pl_module: L.LightningModule, values: dict[str, float], monitorable: bool = True
@@ -28,4 +30,4 @@ def logger_step(trainer: L.Trainer) -> int:
     ``LearningRateMonitor``'s rates at: the optimizer steps completed before that batch. The values of optimizer step
     k (an evaluation after it, its telemetry) go to logger step k - 1 with that batch's loss, so the curves line up;
     checkpoint names and ``metrics.jsonl`` keep the optimizer step k."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    return compat.batches_that_stepped(trainer)

@@ -121,11 +121,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ``torch.load(weights_only=True)`` instead of ``weights_only=False``."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        from torch.distributed.checkpoint._nested_dict import set_element
+        from lightning_muon.compat import dcp_set_element
 
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 

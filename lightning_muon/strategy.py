@@ -38,8 +38,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -49,6 +47,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_muon import compat
 from lightning_muon.checkpoint import (
     META_FILE,
     AtomicCheckpointIO,
@@ -114,11 +113,9 @@ class LoaderResume:
             state.pop("combined_loader", None)
 
     def process_dataloader(self, dataloader: Any) -> Any:
-        from lightning.fabric.utilities.data import _set_sampler_epoch
-
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.training and self._resumed_epoch is not None:
-            _set_sampler_epoch(dataloader, self._resumed_epoch)
+            compat.set_sampler_epoch(dataloader, self._resumed_epoch)
         return dataloader
 
     def on_train_start(self) -> None:
@@ -195,7 +192,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             )
         else:
             self._shard_mesh = self.device_mesh["data_parallel"]
-        self.lightning_module._device_mesh = self._shard_mesh  # what configure_model() sees
+        compat.set_device_mesh(self.lightning_module, self._shard_mesh)  # what configure_model() sees
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -213,7 +210,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             shard_transformer(self.model, self.shard_mesh, mp_policy, self.reshard_after_forward)
         # a model built on the meta device (configure_model) is materialized shard by shard, after sharding
         materialize = _has_meta_tensors(self.model)
-        _materialize_distributed_module(self.model, self.root_device)
+        compat.materialize_distributed_module(self.model, self.root_device)
         if materialize and callable(hook := getattr(self.lightning_module, "on_materialized", None)):
             hook()  # re-initialize what reset_parameters() does not cover
         self.model = self.precision_plugin.convert_module(self.model)
@@ -224,16 +221,14 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             self._check_optimizers()
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            compat.optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Under NCCL abort the process group now: a rank that raised must not block in teardown or at exit on
         collectives its peers will never finish (gloo's failing sockets already end them)."""
         if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-            from torch.distributed.distributed_c10d import _abort_process_group  # public as of torch 2.14: none
-
-            _abort_process_group()
+            compat.abort_process_group()
 
     def _check_optimizers(self) -> None:
         """Muon matrices must be row-sharded DTensors (checked now, naming the parameter, not at the first step);

@@ -166,8 +166,7 @@ def optimizer(device: torch.device, **options: object) -> Result:
 
 
 def ns5(device: torch.device, hiddens: list[int]) -> Result:
-    from torch.optim._muon import _zeropower_via_newtonschulz
-
+    from lightning_muon.compat import torch_muon_orthogonalize
     from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS, default_ns_dtype, newton_schulz
 
     dtype = default_ns_dtype(device)
@@ -180,7 +179,7 @@ def ns5(device: torch.device, hiddens: list[int]) -> Result:
             return [newton_schulz(x, dtype=dtype) for x in pair]
 
         def theirs(pair: list[torch.Tensor] = pair) -> list[torch.Tensor]:
-            return [_zeropower_via_newtonschulz(x.to(dtype), coefficients, 5, 1e-7) for x in pair]
+            return [torch_muon_orthogonalize(x.to(dtype), coefficients, 5) for x in pair]
 
         t_ours, t_torch = _seconds(ours, device), _seconds(theirs, device)
         figures.update({f"ours_ms_{h}": 1e3 * t_ours, f"torch_ms_{h}": 1e3 * t_torch, f"ratio_{h}": t_ours / t_torch})

@@ -202,7 +202,7 @@ class DiTModule(L.LightningModule):
         :meth:`on_materialized`.
         """
         if self.model is None:
-            meta = self._device_mesh is not None
+            meta = self.device_mesh is not None
             with torch.device("meta") if meta else contextlib.nullcontext():
                 self.model = build_transformer(self.hparams.architecture, self.model_config)
                 if self.hparams.gradient_checkpointing:

@@ -81,12 +81,7 @@ def planned_shapes(
         for hook in hooks:
             hook.remove()
     state = {k: tuple(v.shape) for k, v in net.state_dict().items()}
-    derived = {
-        f"{m}.{b}" if m else b: v.numel()
-        for m, module in net.named_modules()
-        for b, v in module._buffers.items()
-        if v is not None and b in module._non_persistent_buffers_set
-    }
+    derived = {name: b.numel() for name, b in net.named_buffers() if name not in state}  # not saved
     return state, derived
 
 

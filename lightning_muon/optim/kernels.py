@@ -500,8 +500,7 @@ def default_ns_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "cpu":
-        try:
-            return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-        except (AttributeError, RuntimeError):
-            return torch.float32
+        from lightning_muon.compat import cpu_has_native_bf16
+
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return torch.float32

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_muon import compat
 from lightning_muon.optim.kernels import orthogonalize_batched
 from lightning_muon.optim.nonfinite import NonFiniteGradient, flags_ok
 from lightning_muon.optim.refresh import RefreshItem, buckets, measure
@@ -166,7 +167,7 @@ def gather_refresh(
         if with_flag:
             send[-1] = flag
         recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
+        work = compat.all_gather_single(recv, send, group=group, async_op=True)
         stats.add("refresh", send.numel() * dtype.itemsize, (world - 1) * send.numel() * dtype.itemsize)
         return work, recv.view(world, -1), sizes, [m for m, _ in looks]
 
