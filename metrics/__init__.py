@@ -1,4 +1,4 @@
-"""Generation-quality metrics (torchmetrics), their functional formulas and feature extractors."""
+"""Generation-quality metrics (torchmetrics), their functional formulas and feature extractors, and GenEval 2."""
 
 from lightning_muon.metrics.features import (
     ClipFeatures,
@@ -15,6 +15,7 @@ from lightning_muon.metrics.generation import (
     MaximumMeanDiscrepancy,
     PrecisionRecallDensityCoverage,
 )
+from lightning_muon.metrics.geneval2 import GenEval2, GenEval2Prompt, SoftTifaJudge, load_geneval2
 from lightning_muon.metrics.reference import ensure_reference, ensure_references, update_with_images
 
 __all__ = [
@@ -23,13 +24,17 @@ __all__ = [
     "DinoV2Features",
     "FeatureExtractor",
     "FrechetDistance",
+    "GenEval2",
+    "GenEval2Prompt",
     "HPSv2Score",
     "InceptionFeatures",
     "InceptionScore",
     "KernelInceptionDistance",
     "MaximumMeanDiscrepancy",
     "PrecisionRecallDensityCoverage",
+    "SoftTifaJudge",
     "ensure_reference",
     "ensure_references",
+    "load_geneval2",
     "update_with_images",
 ]

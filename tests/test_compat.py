@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import free_port
@@ -76,6 +77,12 @@ def test_process_group_internals():
             warnings.simplefilter("error")  # no deprecation on this torch
             compat.all_gather_single(out, x)
         assert torch.equal(out, x)
+        # the control: the call it replaces, made from one of our modules, is an error under the test run's filter
+        # (pyproject filterwarnings; PYTHONWARNINGS in the processes tests start) where torch deprecates it
+        if hasattr(dist, "all_gather_single"):
+            ours = {"__name__": "lightning_muon.optim.transport", "dist": dist, "out": out, "x": x}
+            with pytest.raises(FutureWarning, match="all_gather_into_tensor is deprecated"):
+                exec("dist.all_gather_into_tensor(out, x)", ours)
         compat.abort_process_group()
         assert not dist.is_initialized()
     finally:
@@ -126,3 +133,16 @@ def test_no_private_api_outside_compat(tmp_path):
     planted = tmp_path / "planted.py"  # the control
     planted.write_text("from lightning.fabric.utilities.init import _materialize_distributed_module\n")
     assert private_imports([tmp_path]) == ["planted.py:1 _materialize_distributed_module"]
+
+
+def test_own_deprecations_are_errors_in_the_processes_tests_start():
+    import os
+    import subprocess
+    import sys
+
+    assert "error::FutureWarning:lightning_muon.optim.transport" in os.environ["PYTHONWARNINGS"]
+    warn = "import warnings; warnings.warn_explicit('going away', FutureWarning, 'f.py', 1, module={!r})"
+    ours = subprocess.run([sys.executable, "-c", warn.format("lightning_muon.optim.transport")], capture_output=True)
+    theirs = subprocess.run([sys.executable, "-c", warn.format("somebody_else")], capture_output=True)
+    assert ours.returncode != 0 and b"FutureWarning: going away" in ours.stderr
+    assert theirs.returncode == 0  # the control: another library's deprecation stays a warning

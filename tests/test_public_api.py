@@ -1,0 +1,74 @@
+"""Each subpackage's ``__all__`` lists its public classes and functions: every name in it imports, and every
+user-facing class defined in the subpackage (a torchmetrics ``Metric``, a Lightning ``Callback``, ``LightningModule``,
+``LightningDataModule`` or ``Strategy``, a ``torch.optim.Optimizer``, an evaluation network) is in it. Control: a
+name left out is caught."""
+
+import importlib
+import inspect
+import pkgutil
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torchmetrics import Metric
+
+PACKAGES = [
+    "lightning_muon",
+    "lightning_muon.optim",
+    "lightning_muon.metrics",
+    "lightning_muon.callbacks",
+    "lightning_muon.recipes",
+]
+USER_FACING = (
+    Metric,
+    Callback,
+    L.LightningModule,
+    L.LightningDataModule,
+    L.pytorch.strategies.Strategy,
+    torch.optim.Optimizer,
+)
+
+
+def user_facing_classes(package: str) -> dict[str, type]:
+    """Public classes of the kinds above defined in the package's own library modules (those with an ``__all__``),
+    plus every ``torch.nn.Module`` a metric module exports (extractors, judges)."""
+    found = {}
+    root = importlib.import_module(package)
+    for info in pkgutil.iter_modules(root.__path__):
+        if info.ispkg:
+            continue
+        module = importlib.import_module(f"{package}.{info.name}")
+        if not hasattr(module, "__all__"):  # a script run as a process (doctor_worker, ...), not a library module
+            continue
+        for name, obj in vars(module).items():
+            if not inspect.isclass(obj) or obj.__module__ != module.__name__ or name.startswith("_"):
+                continue
+            nn_in_metrics = (
+                package.endswith(".metrics")
+                and issubclass(obj, torch.nn.Module)
+                and name in getattr(module, "__all__", ())
+            )
+            if issubclass(obj, USER_FACING) or nn_in_metrics:
+                found[name] = obj
+    return found
+
+
+def missing_from_all(package: str, exported: list[str]) -> list[str]:
+    return sorted(set(user_facing_classes(package)) - set(exported))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_all_is_complete_and_importable(package):
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name, None) is not None, f"{package}.{name} is in __all__ but does not import"
+    assert missing_from_all(package, module.__all__) == []
+
+
+def test_geneval2_is_exported_and_a_name_left_out_is_caught():
+    import lightning_muon.metrics as metrics
+    from lightning_muon.metrics import GenEval2, SoftTifaJudge, load_geneval2  # noqa: F401
+
+    without = [n for n in metrics.__all__ if n != "GenEval2"]  # the control
+    assert missing_from_all("lightning_muon.metrics", without) == ["GenEval2"]
