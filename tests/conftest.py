@@ -22,7 +22,8 @@ def own_modules() -> list[str]:
 # pyproject's filterwarnings apply in the pytest process only; the CLI runs, torchrun workers and spawned ranks the
 # tests start get the same rule through PYTHONWARNINGS (which matches exact module names, hence the list).
 os.environ["PYTHONWARNINGS"] = ",".join(
-    f"error::{category}:{module}" for module in own_modules() for category in ("FutureWarning", "DeprecationWarning")
+    [f"error::{category}:{module}" for module in own_modules() for category in ("FutureWarning", "DeprecationWarning")]
+    + ["error::FutureWarning:torch.distributed.c10d_logger"]  # torch's deprecated collectives, whoever calls them
 )
 
 

@@ -77,11 +77,11 @@ def test_process_group_internals():
             warnings.simplefilter("error")  # no deprecation on this torch
             compat.all_gather_single(out, x)
         assert torch.equal(out, x)
-        # the control: the call it replaces, made from one of our modules, is an error under the test run's filter
-        # (pyproject filterwarnings; PYTHONWARNINGS in the processes tests start) where torch deprecates it
+        # the control: the call it replaces is an error under the test run's filters (pyproject filterwarnings;
+        # PYTHONWARNINGS in the processes tests start) where torch deprecates it
         if hasattr(dist, "all_gather_single"):
             ours = {"__name__": "lightning_muon.optim.transport", "dist": dist, "out": out, "x": x}
-            with pytest.raises(FutureWarning, match="all_gather_into_tensor is deprecated"):
+            with pytest.raises(FutureWarning, match="all_gather_into_tensor` is deprecated"):
                 exec("dist.all_gather_into_tensor(out, x)", ours)
         compat.abort_process_group()
         assert not dist.is_initialized()
