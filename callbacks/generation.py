@@ -84,10 +84,10 @@ class GenerationEvaluation(Callback):
     Both are checked in ``setup``, naming what is missing. ``examples/custom_module.py`` is a module of one's own.
 
     Args:
-        metrics, dinov2_weights, inception_weights, clip_weights, hps_weights, clip_model, hps_model,
-            clip_quick_gelu, fid_resize, geneval2_prompts, geneval2_judge, geneval2_images_per_prompt: the metric
+        metrics, dinov2_weights, inception_weights, clip_weights, hps_weights, clip_model, hps_model: the metric
             suite, :class:`~lightning_muon.metrics.evaluation.MetricSuite` (names from
-            :data:`~lightning_muon.metrics.evaluation.METRIC_NAMES`).
+            :data:`~lightning_muon.metrics.evaluation.METRIC_NAMES`), with clip_quick_gelu, fid_resize,
+            geneval2_prompts, geneval2_judge, geneval2_images_per_prompt.
         every_n_steps: evaluation period in optimizer steps (0: only at the end of training).
         on_checkpoint: also evaluate whenever a checkpoint is saved (once per global step).
         num_samples: generated images per evaluation.

@@ -114,8 +114,8 @@ class PeriodicRowwiseMuon(Optimizer):
     Args:
         params: parameters or param groups (e.g. from :func:`lightning_muon.muon_param_groups`); a group's
             ``use_muon`` (default ``True``) picks the branch. Named parameters ``(name, tensor)`` give errors names.
-        lr, momentum, nesterov, weight_decay, period, rownorm_scale, ns_*, adjust_lr, schedule, drift_threshold,
-            min_period, max_period, auto_scale_multiplier: Muon group defaults (:class:`~.config.MuonConfig`).
+        lr, momentum, nesterov, weight_decay, period, rownorm_scale, ns_*, adjust_lr, schedule: Muon group defaults
+            (:class:`~.config.MuonConfig`), as are drift_threshold, min_period, max_period, auto_scale_multiplier.
         adamw_lr / adamw_weight_decay: defaults of AdamW groups (``None``: ``lr`` / ``weight_decay``); betas, eps:
             :class:`~lightning_muon.optim.config.AdamWConfig`.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (above).

@@ -235,6 +235,27 @@ def test_a_shard_truncated_after_setup_raises_on_read(tmp_path):
         data[[3]]
 
 
+def test_why_rows_are_not_read_through_safetensors_lazy_slices(tmp_path):
+    """``safe_open(...).get_slice`` reads through a memory map: a shard truncated while a run reads it kills the
+    reading process with SIGBUS (exit 135, no message), where our reads raise the OSError above. Should safetensors
+    ever raise instead, this fails, and the rows can go through its slices."""
+    import signal
+    import subprocess
+    import sys
+
+    latent_dir(tmp_path, sizes=(64,), caption=False)
+    path = tmp_path / "shard_00000.safetensors"
+    code = (
+        "import os; from safetensors import safe_open\n"
+        f"with safe_open({str(path)!r}, 'pt') as f:\n"
+        "    rows = f.get_slice('latents')\n"
+        f"    os.truncate({str(path)!r}, 200)\n"
+        "    rows[63:64]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode in (-signal.SIGBUS, 128 + signal.SIGBUS), (proc.returncode, proc.stderr[-500:])
+
+
 @pytest.mark.parametrize(
     "entry", ["../outside.safetensors", "/tmp/outside.safetensors", "sub/a.safetensors", "..", 7, None]
 )
