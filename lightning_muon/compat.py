@@ -28,6 +28,7 @@ __all__ = [
     "hpc_save_path",
     "materialize_distributed_module",
     "optimizers_to_device",
+    "restarted_mid_epoch",
     "set_device_mesh",
     "set_sampler_epoch",
     "torch_muon_orthogonalize",
@@ -64,6 +65,12 @@ def batches_that_stepped(trainer: L.Trainer) -> int:
     (``fit_loop.epoch_loop._batches_that_stepped``; ``trainer.global_step`` counts optimizer steps, which differ
     under gradient accumulation and by one inside the batch)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def restarted_mid_epoch(fit_loop: Any) -> bool:
+    """Whether the fit loop resumed inside an epoch (``_FitLoop.restarted_mid_epoch``, Lightning >= 2.5: a property
+    of a private class; the loop's progress counters alone do not tell it)."""
+    return bool(fit_loop.restarted_mid_epoch)
 
 
 def cluster_environment(trainer: L.Trainer) -> Any:

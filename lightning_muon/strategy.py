@@ -121,7 +121,7 @@ class LoaderResume:
     def on_train_start(self) -> None:
         super().on_train_start()
         loop = self.lightning_module.trainer.fit_loop
-        if self._resumed_epoch is not None and loop.restarted_mid_epoch:
+        if self._resumed_epoch is not None and compat.restarted_mid_epoch(loop):
             for tracker in (loop.epoch_progress.current, loop.epoch_progress.total):
                 tracker.ready = tracker.started = tracker.processed + 1
         self._resumed_epoch = None

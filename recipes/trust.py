@@ -108,6 +108,14 @@ def check_sizes(hparams: dict[str, Any], shapes: dict[str, Shape], path: str | o
     layers = config.get("num_layers")
     if isinstance(layers, int) and layers != blocks:
         raise refuse(f"model_config.num_layers is {layers}, the file holds {blocks} transformer blocks")
+    weights = sum(torch.Size(s).numel() for s in saved.values())
+    # the position table is computed in the constructor — by numpy, ignoring the meta device, in diffusers < 0.32 —
+    # so its size is checked from the config before anything is built
+    heads, head_dim = config.get("num_attention_heads", 16), config.get("attention_head_dim", 72)
+    size, patch = config.get("sample_size", 32), config.get("patch_size", 2)
+    if all(isinstance(v, int) and v > 0 for v in (heads, head_dim, size, patch)):
+        if (size // patch) ** 2 * heads * head_dim > weights:
+            raise refuse(f"model_config.sample_size {size} derives a position table larger than its weights")
     try:
         planned, derived = planned_shapes(hparams.get("architecture", "dit"), config, 2 * len(saved) + 16)
     except SizeMismatch as err:  # budget: twice the file's tensors (room for the tables that are not saved)
@@ -120,7 +128,6 @@ def check_sizes(hparams: dict[str, Any], shapes: dict[str, Shape], path: str | o
     for name, shape in planned.items():
         if shape != saved[name]:
             raise refuse(f"model.{name} is {list(saved[name])} in the file, model_config builds {list(shape)}")
-    weights = sum(torch.Size(s).numel() for s in saved.values())
     for name, numel in derived.items():
         if numel > weights:
             raise refuse(f"model_config derives a {numel}-element table {name} (sample_size), more than its weights")

@@ -62,6 +62,7 @@ def test_trainer_internals(tmp_path):
     trainer = L.Trainer(max_steps=3, default_root_dir=tmp_path, logger=False, enable_checkpointing=False)
     trainer.fit(module)
     assert module.seen == [0, 1, 2]  # the logger step of each batch: the optimizer steps before it
+    assert compat.restarted_mid_epoch(trainer.fit_loop) is False
     assert isinstance(compat.cluster_environment(trainer), LightningEnvironment)
     assert compat.hpc_save_path(trainer) == tmp_path / "hpc_ckpt_1.ckpt"
     mesh = object()

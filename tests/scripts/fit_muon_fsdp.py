@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -84,6 +84,13 @@ class Record(Callback):
             Path(self.path).write_text(json.dumps(self.rows))
 
 
+def ema_weight_averaging() -> Callback:
+    """Lightning's own EMA callback (Lightning >= 2.6; the lower-bound environment has 2.4 and never asks for it)."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    return EMAWeightAveraging(decay=0.9)
+
+
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     return TensorDataset(
@@ -117,7 +124,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)]
-        + ([EMAWeightAveraging(decay=0.9)] if args.ema_weight_averaging else []),
+        + ([ema_weight_averaging()] if args.ema_weight_averaging else []),
     )
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // args.devices, shuffle=False)
     module = TinyFlowDiT(args.optimizer, args.partial_shard, shard=args.strategy == "model_parallel")
