@@ -1,4 +1,4 @@
-"""The README's Reliability tables.
+"""The Reliability tables (docs/reliability.md).
 
     python benchmarks/faults.py --matrix    # the fault matrix: fit, evaluate, 2-rank muon_fsdp under full disks,
                                             # read-only directories, SIGTERM, Slurm pre-emption, damaged checkpoints

@@ -1,5 +1,5 @@
 """How closely each metric reproduces the implementation users compare with, and how far the step each fidelity
-test guards moves it: the README's metric table, as a table and JSON.
+test guards moves it: the metric table in docs/metrics.md, as a table and JSON.
 
 Same random-init weights (the real architectures' geometry) and the same uint8 images at 64, 256 and 512 px as
 ``tests/metrics/test_metrics_fidelity.py``, whose reference recipes (torch-fidelity and clean-fid called directly;

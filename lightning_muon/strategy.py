@@ -25,7 +25,7 @@ A rank that raises under NCCL aborts its process group at once (:meth:`MuonFSDPS
 callbacks' ``on_exception``): its in-flight collectives are cancelled, so its teardown and exit cannot block on peers
 that will never answer, and it exits with its own error. NCCL tells the other ranks nothing: they wait in their next
 collective until the launcher stops them (torchrun stops every worker when one fails; ``srun --kill-on-bad-exit=1``
-does the same under Slurm) or the group's ``timeout`` passes (README "Multi-node training").
+does the same under Slurm) or the group's ``timeout`` passes (docs/multi-node.md).
 """
 
 from __future__ import annotations

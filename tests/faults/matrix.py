@@ -10,7 +10,7 @@ TensorBoard logs live elsewhere). Mounting needs root (CAP_SYS_ADMIN); without i
 Signals are sent by a callback to its own process (``tests/faults/signals.py``) at a chosen step: from inside a
 checkpoint's save (SIGTERM) or between steps (SIGUSR1 with Slurm's environment: Lightning's requeue path).
 
-    python benchmarks/faults.py --matrix        # the table in README "Reliability"
+    python benchmarks/faults.py --matrix        # the table in docs/reliability.md
 """
 
 from __future__ import annotations
