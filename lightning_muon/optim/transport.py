@@ -27,6 +27,7 @@ raises :class:`~lightning_muon.optim.nonfinite.NonFiniteGradient` at the same po
 
 from __future__ import annotations
 
+import atexit
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,27 +53,22 @@ SCALES = 2  # elements of refresh_scales
 
 #: seconds the exit hook holds the GIL released (a gloo worker needs microseconds once it has the GIL)
 GLOO_EXIT_GRACE = 0.05
-_exit_hook_registered = False
 
 
 def release_gloo_workers_at_exit() -> None:
-    """An ``atexit`` hook (it runs before the interpreter finalizes): give the GIL away for a moment, so gloo worker
-    threads still waiting for it finish destroying their finished works — the backtrace of the abort it prevents:
-    ``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` → ``~AsyncAllgatherCoalescedWork`` →
-    ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` → ``take_gil`` → ``PyThread_exit_thread`` during
-    ``Py_FinalizeEx`` → ``std::terminate``. Registered once, by the first collective this module runs on gloo."""
+    """An ``atexit`` hook (it runs before the interpreter finalizes): while a gloo process group is alive, give the
+    GIL away for a moment, so gloo worker threads still waiting for it finish destroying their finished works — the
+    backtrace of the abort it prevents: ``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` →
+    ``~AsyncAllgatherCoalescedWork`` → ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` → ``take_gil`` →
+    ``PyThread_exit_thread`` during ``Py_FinalizeEx`` → ``std::terminate``. Registered when this module is imported,
+    so a process whose only collectives are a metric's sync is covered too (seen: a 3-rank reference-cache test)."""
     import time
 
-    time.sleep(GLOO_EXIT_GRACE)
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        time.sleep(GLOO_EXIT_GRACE)
 
 
-def _watch_exit(group: dist.ProcessGroup) -> None:
-    global _exit_hook_registered
-    if not _exit_hook_registered and dist.get_backend(group) == "gloo":
-        import atexit
-
-        atexit.register(release_gloo_workers_at_exit)
-        _exit_hook_registered = True
+atexit.register(release_gloo_workers_at_exit)
 
 
 class CommStats:
@@ -125,7 +121,6 @@ def start_all_reduce(
 ) -> PendingReduce:
     """Launch one sum all-reduce of every tensor (and the ``extra`` elements) as a flat float32 vector."""
     flat = torch.cat([t.reshape(-1).float() for t in tensors] + [e.reshape(-1).float() for e in extra])
-    _watch_exit(group)
     work = dist.all_reduce(flat, group=group, async_op=True)
     stats.add(branch, flat.numel() * flat.element_size(), flat.numel() * flat.element_size())
     return PendingReduce(tensors, flat, work, sum(e.numel() for e in extra))
@@ -152,7 +147,6 @@ def gather_refresh(
     every rank while the next bucket is in flight, yield this rank's rows. A ``flag`` (this rank's 0 or NaN) rides
     the first bucket: every rank then holds every rank's flag and the same verdict."""
     group, world = items[0].shard.group, items[0].shard.world
-    _watch_exit(group)
 
     def launch(index: list[int], with_flag: bool):
         bucket = [items[i] for i in index]
@@ -207,7 +201,6 @@ def scatter_refresh(
     element to every rank). NS5 FLOPs of this rank: :func:`owned_flops`."""
     group, world, rank = items[0].shard.group, items[0].shard.world, items[0].shard.rank
     owner_of = assign_owners([it.flops for it in items], world)  # over the whole step
-    _watch_exit(group)
 
     def exchange(send_parts: list[list[Tensor]], recv_sizes: list[int], dtype, device):
         send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
