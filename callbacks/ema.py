@@ -10,6 +10,15 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 
+def update_averages(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Bring every :class:`EMA` callback's average up to the current step, whatever the callback order: what a
+    callback that reads or saves the average in this step's hook (an evaluation, a pre-emption checkpoint) calls
+    first, so it sees what this step's checkpoint holds."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, EMA):
+            callback.update(trainer, pl_module)
+
+
 class EMA(Callback):
     r"""After every optimizer step, :math:`\bar\theta \leftarrow \beta\,\bar\theta + (1-\beta)\,\theta` for the
     parameters of ``pl_module.<source>`` into ``pl_module.<target>`` (a copy with the same parameters, e.g.

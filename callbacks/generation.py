@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_muon.callbacks.ema import EMA
+from lightning_muon.callbacks.ema import update_averages
 from lightning_muon.callbacks.protocols import Generator, RealImages, check_protocol
 from lightning_muon.callbacks.publish import logger_step, publish_scalars
 from lightning_muon.checkpoint import atomic_write
@@ -231,9 +231,7 @@ class GenerationEvaluation(Callback):
         """Run one evaluation now (all ranks must call it); returns the logged values (also put in
         ``trainer.callback_metrics`` when ``monitorable``, for ``ModelCheckpoint(monitor="eval/...")``)."""
         self._last_step = trainer.global_step
-        for callback in trainer.callbacks:  # the average this step's checkpoint holds, whatever the callback order
-            if isinstance(callback, EMA):
-                callback.update(trainer, pl_module)
+        update_averages(trainer, pl_module)
         desc = f"eval @ step {trainer.global_step}"
         with metrics_on(self.metrics, pl_module.device):
             self._references(trainer)

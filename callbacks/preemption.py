@@ -48,15 +48,13 @@ class Preemption(Callback):
     def __init__(self) -> None:
         self._flags = {"stop": False, "requeue": False}
         self._stop = False
-        self._requeue_signal: signal.Signals | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._flags, self._stop = {"stop": False, "requeue": False}, False
         environment = compat.cluster_environment(trainer)  # what Lightning's own handlers read
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
-            self._requeue_signal = environment.requeue_signal or signal.SIGUSR1
-            signal.signal(self._requeue_signal, self._take_note("requeue"))
+            signal.signal(environment.requeue_signal or signal.SIGUSR1, self._take_note("requeue"))
         signal.signal(signal.SIGTERM, self._take_note("stop", trainer))
 
     def _take_note(self, flag: str, trainer: L.Trainer | None = None):
@@ -91,11 +89,9 @@ class Preemption(Callback):
         return flags[0], flags[1]
 
     def _save_and_requeue(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_muon.callbacks.ema import EMA
+        from lightning_muon.callbacks.ema import update_averages
 
-        for callback in trainer.callbacks:  # the average of this step, whatever the callback order
-            if isinstance(callback, EMA):
-                callback.update(trainer, pl_module)
+        update_averages(trainer, pl_module)
         path = compat.hpc_save_path(trainer)
         trainer.save_checkpoint(path)
         rank_zero_info(f"Slurm pre-emption: saved {path} at step {trainer.global_step}.")
