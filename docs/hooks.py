@@ -7,10 +7,13 @@ subpackages as symlinks."""
 import shutil
 from pathlib import Path
 
+from mkdocs.plugins import event_priority
+
 ROOT = Path(__file__).parents[1]
 SUBPACKAGES = ("metrics", "callbacks", "recipes")
 
 
+@event_priority(100)  # before mkdocstrings' on_config, which drops search paths that do not exist yet
 def on_config(config):
     tree = ROOT / ".api-src" / "lightning_muon"
     shutil.rmtree(tree.parent, ignore_errors=True)
