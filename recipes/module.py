@@ -34,7 +34,7 @@ __all__ = ["OPTIMIZERS", "DiTModule", "checked_hparams"]
 Optimizer = Literal["adamw", "muon", "periodic_muon"]
 Objective = Literal["flow", "ddpm"]
 TimestepSampling = Literal["logit_normal", "uniform"]
-LRSchedule = Literal["cosine", "constant"]
+LRSchedule = Literal["cosine", "constant", "wsd"]
 NonFinite = Literal["skip", "raise", "ignore"]
 FrozenDtype = Literal["auto", "bfloat16", "float32"]
 AdjustLR = Literal["original", "match_rms_adamw", "spectral_unclamped"]
@@ -46,6 +46,12 @@ AutoScale = Literal["auto", "auto_rms"]
 OPTIMIZERS = get_args(Optimizer)
 OBJECTIVES = get_args(Objective)
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def decay_steps(total: int, fraction: float) -> int:
+    """Steps of a WSD schedule's linear decay: ``max(1, round(fraction · total))``; its stable phase ends at
+    ``total − decay_steps`` (where the frontier study branches)."""
+    return max(1, round(fraction * total))
 
 
 class DiTModule(L.LightningModule):
@@ -75,7 +81,11 @@ class DiTModule(L.LightningModule):
         param_overrides: layer-wise options of Muon groups, ``{pattern or layer type: options}`` for
             :func:`~lightning_muon.muon_param_groups` (e.g. ``{"attention": {"period": 2}, "feed_forward":
             {"period": 4}}``).
-        warmup_steps: linear warm-up; schedule: ``"cosine"`` (to 0 at the last step) or ``"constant"``.
+        warmup_steps: linear warm-up; schedule: ``"cosine"`` (to 0 at the last step), ``"constant"``, or ``"wsd"``
+            (warm-up, stable, then linear decay to 0 over the last ``decay_fraction`` of the steps; Hägele et al.
+            2024). Before its decay a WSD run *is* the constant run: a constant run checkpointed at step
+            ``T − round(decay_fraction·T)`` and resumed as WSD with ``max_steps=T`` is the WSD run of ``T`` steps,
+            so one constant run branches the whole quality-vs-budget frontier (``benchmarks/frontier_study.py``).
         ema_decay: EMA of the weights (0 disables it).
         cfg_dropout: condition dropout probability.
         vae_path: optional diffusers ``AutoencoderKL`` directory: train in its latent space.
@@ -122,6 +132,7 @@ class DiTModule(L.LightningModule):
         param_overrides: dict[str, dict[str, PlainValue]] | None = None,
         warmup_steps: int = 0,
         schedule: LRSchedule = "cosine",
+        decay_fraction: float = 0.2,
         ema_decay: float = 0.999,
         cfg_dropout: float = 0.1,
         vae_path: str | None = None,
@@ -144,6 +155,10 @@ class DiTModule(L.LightningModule):
         ):
             if value not in get_args(kind):
                 raise ValueError(f"{name} must be one of {get_args(kind)}, got {value!r}.")
+        if not 0.0 < decay_fraction <= 1.0:
+            raise ValueError(
+                f"decay_fraction (the WSD schedule's decay share of the steps) must be in (0, 1], got {decay_fraction}."
+            )
         if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"cfg_dropout and ema_decay must be in [0, 1), got {cfg_dropout} and {ema_decay}.")
         if frozen_dtype not in FROZEN_DTYPES:
@@ -409,7 +424,7 @@ class DiTModule(L.LightningModule):
         return muon, adamw
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant lr."""
+        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant/WSD lr."""
         h = self.hparams
         options, adamw = self.optimizer_options()
         if h.optimizer == "adamw":  # every parameter on AdamW: PeriodicRowwiseMuon's AdamW groups are torch's AdamW
@@ -424,6 +439,8 @@ class DiTModule(L.LightningModule):
                 return (step + 1) / h.warmup_steps
             if h.schedule == "constant":
                 return 1.0
+            if h.schedule == "wsd":  # 1 until the decay's first step T − d, then (T − step)/d: 1/d at the last
+                return min(1.0, (total - step) / decay_steps(total, h.decay_fraction))
             progress = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
             return 0.5 * (1 + math.cos(math.pi * progress))
 

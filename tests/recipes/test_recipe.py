@@ -216,6 +216,64 @@ def test_resume_continues_the_same_loss_curve(tmp_path):
     assert [v for _, v in resumed] == pytest.approx([v for _, v in straight[10:]], rel=1e-6)
 
 
+class LrRecorder(Callback):
+    def __init__(self):
+        self.lrs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def fit_schedule(root, max_steps, schedule, ckpt_path=None, save_at=None):
+    """``(losses, lrs)`` of a digits fit under ``schedule`` (warm-up 5, WSD decay over 1/4 of the steps); with
+    ``save_at`` it writes ``root/branch.ckpt`` at that step, as the frontier study's stable runs do."""
+    L.seed_everything(0)
+    recorder, lrs = LossRecorder(), LrRecorder()
+    callbacks = [recorder, lrs]
+    if save_at is not None:
+
+        class Save(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == save_at:
+                    trainer.save_checkpoint(root / "branch.ckpt")
+
+        callbacks.append(Save())
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+    module = DiTModule(model_config=SMALL_DIT, schedule=schedule, warmup_steps=5, decay_fraction=0.25)
+    trainer.fit(module, DigitsDataModule(batch_size=64), ckpt_path=ckpt_path)
+    return [v for _, v in recorder.losses], lrs.lrs
+
+
+def test_wsd_decays_linearly_over_its_last_steps_and_branches_from_a_constant_run(tmp_path):
+    """WSD of 32 steps: warm-up 5, stable to step 24, then lr·(32 − step)/8. A constant-lr run checkpointed at step
+    24 and resumed as WSD with max_steps=32 is the straight WSD run (the frontier study's branches). Control:
+    resumed as cosine, it is not."""
+    lr = 0.02
+    losses, lrs = fit_schedule(tmp_path / "wsd", 32, "wsd")
+    assert lrs[:5] == pytest.approx([lr * (s + 1) / 5 for s in range(5)])
+    assert lrs[5:24] == pytest.approx([lr] * 19) and lrs[24:] == pytest.approx(
+        [lr * (32 - s) / 8 for s in range(24, 32)]
+    )
+    stable, stable_lrs = fit_schedule(tmp_path / "constant", 24, "constant", save_at=24)
+    assert stable_lrs == pytest.approx(lrs[:24]) and stable == losses[:24]
+    branch, branch_lrs = fit_schedule(tmp_path / "b", 32, "wsd", ckpt_path=tmp_path / "constant" / "branch.ckpt")
+    assert branch_lrs == pytest.approx(lrs[24:]) and branch == pytest.approx(losses[24:], rel=1e-6)
+    cosine, _ = fit_schedule(tmp_path / "c", 32, "cosine", ckpt_path=tmp_path / "constant" / "branch.ckpt")
+    assert cosine != pytest.approx(losses[24:], rel=1e-6)
+    with pytest.raises(ValueError, match="decay_fraction"):
+        DiTModule(schedule="wsd", decay_fraction=0.0)
+
+
 def test_image_folder_errors_name_the_corrupt_file(tmp_path):
     from PIL import Image
 
