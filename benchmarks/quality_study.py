@@ -320,11 +320,11 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         return [dict(r) for r in csv.DictReader(f)]
 
 
-def append_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+def append_rows(path: Path, rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> None:
     new = not path.is_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         if new:
             writer.writeheader()
         writer.writerows(rows)

@@ -1,0 +1,215 @@
+"""The frontier study's report: ``frontier.md`` and ``frontier_<config>.png`` from the CSV
+(``benchmarks/frontier_study.py`` runs the study and calls :func:`report`). Mean ± standard error over the reported
+seeds; ``*``: the difference from Muon exceeds two standard errors of that difference; ``‡``: fewer reported seeds
+than planned so far (a one-seed cell has no SE); ``e``: the lr chosen at this budget is at its grid's edge."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+from frontier_study import Plan, budgets
+from quality_report import beyond_2se, mean_se
+from quality_study import _f
+
+METRICS = {"fd": ("FD (digits features)", 3), "val_loss": ("validation loss", 4)}
+
+
+class Frontier:
+    """One configuration's reported rows, looked up by (arm, budget) at the lr chosen for that budget."""
+
+    def __init__(self, rows: list[dict[str, Any]], plan: Plan, config: str, args: argparse.Namespace):
+        self.rows = [r for r in rows if r["config"] == config]
+        self.plan, self.config, self.args = plan, config, args
+
+    def lr(self, arm: str, T: int) -> float | None:
+        chosen = self.plan.sweeps[self.config, arm].chosen
+        return chosen[T] if chosen else None
+
+    def cell(self, arm: str, T: int) -> list[dict[str, Any]]:
+        """The reported seeds' rows of ``arm`` at budget ``T`` and its chosen lr."""
+        lr = self.lr(arm, T)
+        if lr is None:
+            return []
+        return [
+            r
+            for r in self.rows
+            if r["arm"] == arm and int(r["budget"]) == T and r["role"] == "report" and math.isclose(float(r["lr"]), lr)
+        ]
+
+    def values(self, arm: str, T: int, column: str) -> list[float]:
+        return [_f(r[column]) for r in self.cell(arm, T)]
+
+    def text(self, arm: str, T: int, column: str, digits: int) -> str:
+        xs = self.values(arm, T, column)
+        if not xs:
+            return "—"
+        m, se = mean_se(xs)
+        marks = "‡" if len(xs) < len(self.args.seeds) else ""
+        marks += "e" if T in self.plan.sweeps[self.config, arm].at_edge else ""
+        if arm != "muon" and beyond_2se(xs, self.values("muon", T, column)) == "yes":
+            marks += "*"
+        return f"{m:.{digits}f} ± {se:.{digits}f}{marks}" if len(xs) > 1 else f"{m:.{digits}f}{marks}"
+
+    def mean(self, arm: str, T: int, column: str) -> float:
+        return mean_se(self.values(arm, T, column))[0]
+
+
+def ratio(a: list[float], b: list[float]) -> str:
+    """mean(a) / mean(b) with its delta-method SE, and ``*`` when the difference is beyond 2 SE."""
+    (ma, sa), (mb, sb) = mean_se(a), mean_se(b)
+    if math.isnan(ma) or math.isnan(mb):
+        return "—"
+    r = ma / mb
+    se = r * math.sqrt((sa / ma) ** 2 + (sb / mb) ** 2)
+    return f"{r:.3f}× ± {se:.3f}" + ("*" if beyond_2se(a, b) == "yes" else "")
+
+
+def table(header: list[str], body: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(row) + " |" for row in body),
+        "",
+    ]
+
+
+def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out_dir: Path) -> str:
+    """frontier.md and the PNG plots, from the CSV rows and the plan they give."""
+    from frontier_study import unit_key
+
+    done = {unit_key(r) for r in rows}
+    planned = {u.key for u in plan.units}
+    lines = [
+        "# Quality against compute: the frontier",
+        "",
+        f"Command: `{args.command}`. Machine: {args.machine}. Regenerate: `python benchmarks/frontier_study.py "
+        "--report-only`. Protocol: the docstring of `benchmarks/frontier_study.py` (WSD schedule, one stable run per "
+        f"(arm, lr, seed) branching a {args.decay_fraction:g}-of-budget linear decay at every budget; the lr of each "
+        f"(arm, budget) chosen by validation loss on seeds {args.tune_seeds}, reported on seeds {args.seeds}).",
+        "",
+        "Mean ± SE over the reported seeds at each budget's own lr. `*`: beyond 2 SE of Muon's; `‡`: fewer seeds than "
+        "planned (so far); `e`: the chosen lr is at its grid's edge.",
+        "",
+        f"Units in the CSV: {len(done & planned)} of the {len(planned)} planned so far"
+        + ("." if planned <= done else " (partial: run the command again to train the rest)."),
+        "",
+    ]
+    lengths = budgets(args)
+    for config in args.configs:
+        f = Frontier(rows, plan, config, args)
+        header = ["arm", *(f"{T} steps" for T in lengths)]
+        lines += [f"## {config}", ""]
+        for column, (title, digits) in METRICS.items():
+            lines += [f"### {title} at each budget", ""]
+            lines += table(header, [[arm, *(f.text(arm, T, column, digits) for T in lengths)] for arm in args.arms])
+        lines += ["### FD relative to Muon (± delta-method SE)", ""]
+        body = [
+            [arm, *(ratio(f.values(arm, T, "fd"), f.values("muon", T, "fd")) for T in lengths)] for arm in args.arms
+        ]
+        lines += table(header, body)
+        lines += ["### Seconds at each budget: optimizer / training wall (mean over reported seeds)", ""]
+        body = [
+            [
+                arm,
+                *(f"{f.mean(arm, T, 'optimizer_seconds'):.1f} / {f.mean(arm, T, 'wall_seconds'):.1f}" for T in lengths),
+            ]
+            for arm in args.arms
+        ]
+        lines += table(header, body)
+        lines += time_to_muon(f, lengths)
+        lines += ["### Learning rate chosen at each budget (tuning seeds' validation loss)", ""]
+        lines += table(header, [[arm, *(lr_text(f, arm, T) for T in lengths)] for arm in args.arms])
+        lines += sweeps(f, lengths)
+        png = plot(f, lengths, out_dir)
+        if png:
+            lines += [f"![FD against budget and against wall seconds, mean ± 2 SE]({png.name})", ""]
+    text = "\n".join(lines)
+    (out_dir / "frontier.md").write_text(text)
+    return text
+
+
+def lr_text(f: Frontier, arm: str, T: int) -> str:
+    lr = f.lr(arm, T)
+    return "—" if lr is None else f"{lr:.3g}" + ("e" if T in f.plan.sweeps[f.config, arm].at_edge else "")
+
+
+def time_to_muon(f: Frontier, lengths: list[int]) -> list[str]:
+    """For each Muon budget T: the smallest budget at which each arm's mean FD reaches Muon's mean FD at T, with its
+    mean wall seconds relative to Muon's at T (budgets are ×2 apart: a coarse answer, and "—" if none reaches it)."""
+    lines = [
+        "### Budget each arm needs to reach Muon's FD at each budget",
+        "",
+        "Smallest budget whose mean FD ≤ Muon's mean FD at the column's budget: steps, and its mean training wall "
+        "seconds relative to Muon's at that budget. Budgets are about ×2 apart, so this is coarse.",
+        "",
+    ]
+    body = []
+    for arm in f.args.arms:
+        cells = []
+        for T in lengths:
+            target, muon_wall = f.mean("muon", T, "fd"), f.mean("muon", T, "wall_seconds")
+            hit = next((S for S in lengths if f.mean(arm, S, "fd") <= target), None)
+            cells.append("—" if hit is None else f"{hit} ({f.mean(arm, hit, 'wall_seconds') / muon_wall:.2f}×)")
+        body.append([arm, *cells])
+    return lines + table(["arm", *(f"Muon@{T}" for T in lengths)], body)
+
+
+def sweeps(f: Frontier, lengths: list[int]) -> list[str]:
+    """Each sweep's tuning validation loss per lr and budget; the chosen lr's in bold."""
+    from frontier_study import tuning_loss
+
+    lines = ["### The sweeps: mean validation loss over the tuning seeds", ""]
+    for arm in f.args.arms:
+        s = f.plan.sweeps[f.config, arm]
+        lrs = sorted({u.lr for u in s.units})
+        body = []
+        for lr in lrs:
+            cells = []
+            for T in lengths:
+                loss = tuning_loss(f.rows, f.config, arm, lr, T)
+                text = f"{loss:.4f}" if math.isfinite(loss) else ("diverged" if s.chosen else "—")
+                cells.append(f"**{text}**" if s.chosen and math.isclose(s.chosen[T], lr) else text)
+            body.append([f"{lr:.3g}", *cells])
+        lines += [f"**{arm}**", "", *table(["lr", *(f"{T}" for T in lengths)], body)]
+    return lines
+
+
+def plot(f: Frontier, lengths: list[int], out_dir: Path) -> Path | None:
+    """FD against budget (steps) and against training wall seconds, each arm mean ± 2 SE, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    drawn = False
+    for arm in f.args.arms:
+        points = []
+        for T in lengths:
+            fd = f.values(arm, T, "fd")
+            if fd:
+                m, se = mean_se(fd)
+                points.append((T, f.mean(arm, T, "wall_seconds"), m, 2 * se))
+        if not points:
+            continue
+        drawn = True
+        steps, wall, fd, err = zip(*points)
+        style = {"marker": "o", "capsize": 3, "label": arm, "lw": 2.0 if arm in ("adamw", "muon") else 1.2}
+        axes[0].errorbar(steps, fd, yerr=err, **style)
+        axes[1].errorbar(wall, fd, yerr=err, **style)
+    if not drawn:
+        plt.close(fig)
+        return None
+    for ax, xlabel in zip(axes, ("budget (optimizer steps)", "training wall seconds")):
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="FD at the budget's end")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{f.config}: quality against compute, each budget at its own lr (WSD)")
+    fig.tight_layout()
+    path = out_dir / f"frontier_{f.config}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
