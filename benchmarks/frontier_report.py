@@ -138,21 +138,25 @@ def lr_text(f: Frontier, arm: str, T: int) -> str:
 
 def time_to_muon(f: Frontier, lengths: list[int]) -> list[str]:
     """For each Muon budget T: the smallest budget at which each arm's mean FD reaches Muon's mean FD at T, with its
-    mean wall seconds relative to Muon's at T (budgets are ×2 apart: a coarse answer, and "—" if none reaches it)."""
+    mean wall and optimizer seconds relative to Muon's at T (budgets are ×2 apart: coarse; "—" if none reaches it)."""
     lines = [
         "### Budget each arm needs to reach Muon's FD at each budget",
         "",
-        "Smallest budget whose mean FD ≤ Muon's mean FD at the column's budget: steps, and its mean training wall "
-        "seconds relative to Muon's at that budget. Budgets are about ×2 apart, so this is coarse.",
+        "Smallest budget whose mean FD ≤ Muon's mean FD at the column's budget: steps (its mean training wall / "
+        "optimizer seconds relative to Muon's at that budget). Budgets are about ×2 apart, so this is coarse.",
         "",
     ]
     body = []
     for arm in f.args.arms:
         cells = []
         for T in lengths:
-            target, muon_wall = f.mean("muon", T, "fd"), f.mean("muon", T, "wall_seconds")
+            target = f.mean("muon", T, "fd")
             hit = next((S for S in lengths if f.mean(arm, S, "fd") <= target), None)
-            cells.append("—" if hit is None else f"{hit} ({f.mean(arm, hit, 'wall_seconds') / muon_wall:.2f}×)")
+            if hit is None:
+                cells.append("—")
+                continue
+            wall, opt = (f.mean(arm, hit, c) / f.mean("muon", T, c) for c in ("wall_seconds", "optimizer_seconds"))
+            cells.append(f"{hit} ({wall:.2f}× / {opt:.2f}×)")
         body.append([arm, *cells])
     return lines + table(["arm", *(f"Muon@{T}" for T in lengths)], body)
 
