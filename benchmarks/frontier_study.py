@@ -354,10 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--inference-steps", type=int, default=10, help="sampler steps per generated image")
     add("--tune-seeds", type=int, nargs="+", default=[100, 101], help="seeds that choose the lr (never reported)")
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="reported seeds")
-    add("--lrs-muon", type=float, nargs="+", default=[0.005, 0.00707, 0.01, 0.01414, 0.02], help="initial grid")
+    add(
+        "--lrs-muon", type=float, nargs="+", default=[0.005, 0.00707, 0.01, 0.01414, 0.02, 0.02828], help="initial grid"
+    )
     add("--lrs-adamw", type=float, nargs="+", default=[1e-3, 1.414e-3, 2e-3, 2.828e-3, 4e-3], help="initial grid")
     add("--lr-factor", type=float, default=math.sqrt(2), help="grid spacing of an extension")
-    add("--max-extend", type=int, default=3, help="grid extensions per sweep at its edge")
+    add("--max-extend", type=int, default=6, help="grid extensions per sweep at its edge")
     add("--jobs", type=int, default=2, help="parallel units")
     add("--threads", type=int, default=1, help="torch threads per unit")
     add("--device", default="cpu", help="Lightning accelerator (cpu, cuda)")
