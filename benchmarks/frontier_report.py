@@ -111,14 +111,9 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
         ]
         lines += table(header, body)
         lines += ["### Seconds at each budget: optimizer / training wall (mean over reported seeds)", ""]
-        body = [
-            [
-                arm,
-                *(f"{f.mean(arm, T, 'optimizer_seconds'):.1f} / {f.mean(arm, T, 'wall_seconds'):.1f}" for T in lengths),
-            ]
-            for arm in args.arms
-        ]
+        body = [[arm, *(seconds(f, arm, T) for T in lengths)] for arm in args.arms]
         lines += table(header, body)
+        lines += positive_control(f, lengths)
         lines += time_to_muon(f, lengths)
         lines += ["### Learning rate chosen at each budget (tuning seeds' validation loss)", ""]
         lines += table(header, [[arm, *(lr_text(f, arm, T) for T in lengths)] for arm in args.arms])
@@ -131,9 +126,26 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
     return text
 
 
+def seconds(f: Frontier, arm: str, T: int) -> str:
+    opt, wall = f.mean(arm, T, "optimizer_seconds"), f.mean(arm, T, "wall_seconds")
+    return "—" if math.isnan(wall) else f"{opt:.1f} / {wall:.1f}"
+
+
 def lr_text(f: Frontier, arm: str, T: int) -> str:
     lr = f.lr(arm, T)
     return "—" if lr is None else f"{lr:.3g}" + ("e" if T in f.plan.sweeps[f.config, arm].at_edge else "")
+
+
+def positive_control(f: Frontier, lengths: list[int]) -> list[str]:
+    """Whether the study can separate two optimizers at all: the budgets where AdamW and Muon differ beyond 2 SE."""
+    if "adamw" not in f.args.arms:
+        return []
+    found = {
+        column: [T for T in lengths if beyond_2se(f.values("adamw", T, column), f.values("muon", T, column)) == "yes"]
+        for column in METRICS
+    }
+    said = "; ".join(f"{METRICS[c][0]}: {', '.join(map(str, Ts)) or 'none'}" for c, Ts in found.items())
+    return [f"**Positive control** — budgets where AdamW and Muon differ beyond 2 SE: {said}.", ""]
 
 
 def time_to_muon(f: Frontier, lengths: list[int]) -> list[str]:

@@ -133,7 +133,13 @@ def test_quick_frontier_csv_schema_resume_and_report(tmp_path):
     assert all(w["20"] < w["40"] for w in by_unit.values())  # a longer budget costs more of the shared clock
 
     report = (tmp_path / "frontier.md").read_text()
-    for text in ("### FD (digits features) at each budget", "| muon | ", "### Budget each arm needs", "**periodic**"):
+    for text in (
+        "### FD (digits features) at each budget",
+        "| muon | ",
+        "### Budget each arm",
+        "**periodic**",
+        "**Positive control**",
+    ):
         assert text in report, text
     from PIL import Image
 
