@@ -33,18 +33,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from quality_study import CONFIGS, _f, append_rows, muon_state, read_rows
+from quality_study import CONFIGS, _f, execute_planned, muon_state, run_study
 
-CSV = "frontier.csv"
 COLUMNS = [
     "config",
     "arm",
@@ -309,33 +304,7 @@ def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> Plan:
 def execute(rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path) -> None:
     """Train every planned unit whose rows are not in the CSV (``--jobs`` at a time), appending each unit's rows as
     it ends and planning again (extensions and reported seeds start as soon as their inputs are known)."""
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from multiprocessing import get_context
-
-    from tqdm.auto import tqdm
-
-    ns = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
-    running: dict = {}
-    bar = tqdm(desc="units", unit="unit")
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        while True:
-            busy = {unit_key(r) for r in rows} | {u.key for u in running.values()}
-            todo = list({u.key: u for u in plan(rows, args).units if u.key not in busy}.values())
-            free = args.jobs - len(running)
-            for unit in todo[:free]:
-                running[pool.submit(_worker, unit, ns)] = unit
-            bar.total = bar.n + len(running) + len(todo[free:])
-            bar.refresh()
-            if not running:
-                break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                running.pop(future)
-                new_rows = future.result()
-                append_rows(csv_path, new_rows, COLUMNS)
-                rows.extend({k: str(v) for k, v in r.items()} for r in new_rows)
-                bar.update()
-    bar.close()
+    execute_planned(rows, args, csv_path, lambda: plan(rows, args).units, unit_key, _worker, COLUMNS)
 
 
 # --------------------------------------------------------------------------------------------------------- main
@@ -383,24 +352,9 @@ def main(argv: list[str] | None = None) -> None:
             f"--tune-seeds {args.tune_seeds} and --seeds {args.seeds} overlap: the lr would be chosen on "
             "a reported seed."
         )
-    args.command = "python benchmarks/frontier_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    args.machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.device}"
     args.work = str(Path(args.out) / ".frontier_work")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path = out / CSV
-    rows = read_rows(csv_path)
-    if args.report_only and not rows:
-        parser.error(f"--report-only: {csv_path} has no rows; run the study first.")
-    if rows and not set(COLUMNS) <= set(rows[0]):
-        parser.error(f"{csv_path} lacks columns {sorted(set(COLUMNS) - set(rows[0]))}; it is not this study's CSV.")
-    provenance = out / "frontier.json"
-    if not args.report_only:
-        provenance.write_text(json.dumps({"command": args.command, "machine": args.machine}))
-        execute(rows, args, csv_path)
-    elif provenance.is_file():  # the page keeps naming the command that trained the units
-        vars(args).update(json.loads(provenance.read_text()))
-    print(report(rows, plan(rows, args), args, out))
+    page = lambda rows, out: report(rows, plan(rows, args), args, out)  # noqa: E731
+    run_study(parser, args, argv, "frontier_study.py", "frontier", COLUMNS, execute, page)
 
 
 if __name__ == "__main__":

@@ -416,21 +416,28 @@ def plan(rows: list[dict[str, Any]], args: argparse.Namespace) -> Plan:
 def execute(rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path) -> None:
     """Train every planned run whose rows are not in the CSV (``--jobs`` at a time), appending each run's rows as it
     ends and planning again: sweep extensions, K sweeps and seeds start as soon as their inputs are known."""
+    execute_planned(rows, args, csv_path, lambda: plan(rows, args).runs, run_key, _worker, COLUMNS)
+
+
+def execute_planned(rows, args, csv_path: Path, planned, key_of_row, worker, columns: list[str]) -> None:
+    """The resumable loop of both studies: ``planned()`` (recomputed after every job) lists jobs with a ``.key``;
+    those whose key no CSV row has are run by ``worker(job, args)`` in ``--jobs`` spawned processes, and each job's
+    rows are appended to ``csv_path`` (and ``rows``) as soon as it ends."""
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from multiprocessing import get_context
 
     from tqdm.auto import tqdm
 
-    ns = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
+    ns = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
     running: dict = {}
-    bar = tqdm(desc="runs", unit="run")
+    bar = tqdm(desc="jobs", unit="job")
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         while True:
-            done = {run_key(r) for r in rows} | {run.key for run in running.values()}
-            todo = list({r.key: r for r in plan(rows, args).runs if r.key not in done}.values())
+            busy = {key_of_row(r) for r in rows} | {job.key for job in running.values()}
+            todo = list({job.key: job for job in planned() if job.key not in busy}.values())
             free = args.jobs - len(running)
-            for run in todo[:free]:
-                running[pool.submit(_worker, run, ns)] = run
+            for job in todo[:free]:
+                running[pool.submit(worker, job, ns)] = job
             bar.total = bar.n + len(running) + len(todo[free:])
             bar.refresh()
             if not running:
@@ -439,7 +446,7 @@ def execute(rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path
             for future in finished:
                 running.pop(future)
                 new_rows = future.result()
-                append_rows(csv_path, new_rows)
+                append_rows(csv_path, new_rows, columns)
                 rows.extend({k: str(v) for k, v in r.items()} for r in new_rows)
                 bar.update()
     bar.close()
@@ -480,25 +487,33 @@ def main(argv: list[str] | None = None) -> None:
         args.lrs_muon, args.lrs_adamw, args.max_extend = [0.02, 0.04], [2e-3, 4e-3], 0
         args.gammas, args.periods, args.auto = [0.15, 0.3], [3, 6], ["auto"]
     args.gammas = [round(g, 6) for g in args.gammas]
-    args.command = "python benchmarks/quality_study.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    args.machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.device}"
     args.device_label = args.device
     args.work = str(Path(args.out) / ".quality_study_work")
+    page = lambda rows, out: report(rows, plan(rows, args), args, out)  # noqa: E731
+    run_study(parser, args, argv, "quality_study.py", "quality_study", COLUMNS, execute, page)
+
+
+def run_study(parser, args, argv, script: str, name: str, columns: list[str], execute, report_page) -> None:
+    """The shared part of both studies' ``main``: ``<out>/<name>.csv`` read and checked, the command and machine
+    recorded in ``<name>.json``, the planned jobs trained unless ``--report-only``, and ``report_page(rows, out)``
+    written and printed."""
+    args.command = f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.device}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    csv_path = out / "quality_study.csv"
+    csv_path = out / f"{name}.csv"
     rows = read_rows(csv_path)
     if args.report_only and not rows:
         parser.error(f"--report-only: {csv_path} has no rows; run the study first.")
-    if rows and not set(COLUMNS) <= set(rows[0]):
-        parser.error(f"{csv_path} lacks columns {sorted(set(COLUMNS) - set(rows[0]))}; it is not this study's CSV.")
-    provenance = out / "quality_study.json"
+    if rows and not set(columns) <= set(rows[0]):
+        parser.error(f"{csv_path} lacks columns {sorted(set(columns) - set(rows[0]))}; it is not this study's CSV.")
+    provenance = out / f"{name}.json"
     if not args.report_only:
         provenance.write_text(json.dumps({"command": args.command, "machine": args.machine}))
         execute(rows, args, csv_path)
-    elif provenance.is_file():  # the page keeps naming the command that trained the runs
+    elif provenance.is_file():  # the page keeps naming the command that trained the jobs
         vars(args).update(json.loads(provenance.read_text()))
-    print(report(rows, plan(rows, args), args, out))
+    print(report_page(rows, out))
 
 
 if __name__ == "__main__":
