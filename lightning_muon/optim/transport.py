@@ -51,8 +51,9 @@ Bucket = tuple[list[RefreshItem], list[Tensor], list[Tensor], Tensor | None, lis
 SCALES = 2  # elements of refresh_scales
 
 
-#: seconds the exit hook holds the GIL released (a gloo worker needs microseconds once it has the GIL)
-GLOO_EXIT_GRACE = 0.05
+#: seconds the exit hook holds the GIL released (a gloo worker needs microseconds once it has the GIL, but on a loaded
+#: machine it may wait to be scheduled: 0.05 s once let a 2-rank run abort at exit with both CPU cores busy)
+GLOO_EXIT_GRACE = 0.5
 
 
 def release_gloo_workers_at_exit() -> None:
