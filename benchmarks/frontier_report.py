@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from frontier_study import Plan, budgets
+from frontier_study import Plan, budgets, tuning_loss, unit_key
 from quality_report import beyond_2se, mean_se
 from quality_study import _f
 
@@ -78,8 +78,6 @@ def table(header: list[str], body: list[list[str]]) -> list[str]:
 
 def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out_dir: Path) -> str:
     """frontier.md and the PNG plots, from the CSV rows and the plan they give."""
-    from frontier_study import unit_key
-
     done = {unit_key(r) for r in rows}
     planned = {u.key for u in plan.units}
     lines = [
@@ -175,8 +173,6 @@ def time_to_muon(f: Frontier, lengths: list[int]) -> list[str]:
 
 def sweeps(f: Frontier, lengths: list[int]) -> list[str]:
     """Each sweep's tuning validation loss per lr and budget; the chosen lr's in bold."""
-    from frontier_study import tuning_loss
-
     lines = ["### The sweeps: mean validation loss over the tuning seeds", ""]
     for arm in f.args.arms:
         s = f.plan.sweeps[f.config, arm]
