@@ -80,6 +80,15 @@ def is_muon(arm: str) -> bool:
     return ARMS[arm]["optimizer"] != "adamw"
 
 
+def initial_grid(arm: str, args: argparse.Namespace) -> list[float]:
+    """The lr grid a sweep starts from: ``--lrs-adamw``, ``--lrs-muon`` (Muon, Periodic), or ``--lrs-variants`` for
+    Periodic's variants — which share its K and γ, so their grid starts where Periodic's chosen rates lie (the edge
+    extension still follows any arm that wants lower or higher)."""
+    if not is_muon(arm):
+        return args.lrs_adamw
+    return args.lrs_muon if arm in ("muon", "periodic") else args.lrs_variants
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
     """One constant-lr run of ``arm`` at ``lr`` and ``seed`` with its WSD branches, one per budget."""
@@ -268,7 +277,7 @@ def tuning_loss(rows: list[dict[str, Any]], config: str, arm: str, lr: float, T:
 
 
 def sweep(rows: list[dict[str, Any]], done: set, config: str, arm: str, args: argparse.Namespace) -> Sweep:
-    lrs = sorted(args.lrs_muon if is_muon(arm) else args.lrs_adamw)
+    lrs = sorted(initial_grid(arm, args))
     for extension in range(args.max_extend + 1):
         units = [Unit(config, arm, lr, seed) for lr in lrs for seed in args.tune_seeds]
         if any(u.key not in done for u in units):
@@ -326,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--lrs-muon", type=float, nargs="+", default=[0.005, 0.00707, 0.01, 0.01414, 0.02, 0.02828], help="initial grid"
     )
+    add(
+        "--lrs-variants",
+        type=float,
+        nargs="+",
+        default=[0.01, 0.01414, 0.02, 0.02828, 0.04, 0.05657],
+        help="initial grid of Periodic's variants (Periodic chose 0.014–0.057)",
+    )
     add("--lrs-adamw", type=float, nargs="+", default=[1e-3, 1.414e-3, 2e-3, 2.828e-3, 4e-3], help="initial grid")
     add("--lr-factor", type=float, default=math.sqrt(2), help="grid spacing of an extension")
     add("--max-extend", type=int, default=6, help="grid extensions per sweep at its edge")
@@ -345,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.budget_fractions, args.warmup, args.samples, args.inference_steps = 40, [0.5, 1.0], 4, 100, 4
         args.tune_seeds, args.seeds, args.max_extend = [100], [0, 1], 0
         args.lrs_muon, args.lrs_adamw = [0.014, 0.02, 0.028], [1.4e-3, 2e-3, 2.8e-3]
+        args.lrs_variants = args.lrs_muon
     if "all" in args.arms:
         args.arms = list(ARMS)
     if set(args.tune_seeds) & set(args.seeds):
