@@ -78,6 +78,7 @@ class DiTModule(L.LightningModule):
         refresh_schedule / drift_threshold / min_period / max_period: the optimizer's ``schedule`` (``"fixed"``: every
             ``period`` steps, or ``"adaptive"``: per matrix on momentum drift; see
             :class:`~lightning_muon.PeriodicRowwiseMuon`).
+        refresh_warmup: the first this many optimizer steps all refresh (K = 1), then the refresh schedule.
         param_overrides: layer-wise options of Muon groups, ``{pattern or layer type: options}`` for
             :func:`~lightning_muon.muon_param_groups` (e.g. ``{"attention": {"period": 2}, "feed_forward":
             {"period": 4}}``).
@@ -129,6 +130,7 @@ class DiTModule(L.LightningModule):
         drift_threshold: float = 0.05,
         min_period: int = 1,
         max_period: int | None = None,
+        refresh_warmup: int = 0,
         param_overrides: dict[str, dict[str, PlainValue]] | None = None,
         warmup_steps: int = 0,
         schedule: LRSchedule = "cosine",

@@ -71,6 +71,7 @@ class MuonConfig:
         adjust_lr: shape factor :math:`s(m, n)`: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_unclamped"``.
         schedule: when matrices refresh, ``"fixed"`` or ``"adaptive"`` (:mod:`~lightning_muon.optim.schedules`).
         drift_threshold / min_period / max_period: the adaptive schedule's bounds (``max_period=None``: ``period``).
+        refresh_warmup: :math:`t_w`, the first steps that all refresh (K = 1) before either schedule takes over.
     """
 
     lr: float | Tensor = 0.02
@@ -91,6 +92,7 @@ class MuonConfig:
     min_period: int = 1
     max_period: int | None = None
     auto_scale_multiplier: float = 1.0
+    refresh_warmup: int = 0
 
     #: keys every saved Muon group has had (the others take their defaults when an older state dict is loaded)
     REQUIRED: ClassVar[tuple[str, ...]] = (
@@ -110,6 +112,11 @@ class MuonConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}.")
         if not _is_int(self.period) or self.period < 1:
             raise ValueError(f"period (K) must be an integer >= 1 (1 = vanilla Muon), got {self.period!r}.")
+        if not _is_int(self.refresh_warmup) or self.refresh_warmup < 0:
+            raise ValueError(
+                f"refresh_warmup (steps that all refresh before the schedule takes over) must be an integer >= 0, "
+                f"got {self.refresh_warmup!r}."
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
         if self.schedule == "adaptive":

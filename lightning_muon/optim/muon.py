@@ -90,7 +90,7 @@ class PeriodicRowwiseMuon(Optimizer):
         M_t &= \beta M_{t-1} + (1-\beta) G_t, \qquad
         N_t = \beta M_t + (1-\beta) G_t \ \text{(nesterov) or } M_t \\
         U_t &= \begin{cases}
-            s(m,n)\,\mathrm{NS5}(N_t) & (t-1) \bmod K = 0 \quad\text{(refresh)} \\
+            s(m,n)\,\mathrm{NS5}(N_t) & (t-1) \bmod K = 0 \text{ or } t \le t_w \quad\text{(refresh)} \\
             \gamma\, s(m,n)\,\mathrm{RowNorm}(N_t) & \text{otherwise}
         \end{cases} \\
         W &\leftarrow W (1 - \eta\lambda) - \eta U_t
@@ -115,7 +115,8 @@ class PeriodicRowwiseMuon(Optimizer):
         params: parameters or param groups (e.g. from :func:`lightning_muon.muon_param_groups`); a group's
             ``use_muon`` (default ``True``) picks the branch. Named parameters ``(name, tensor)`` give errors names.
         lr, momentum, nesterov, weight_decay, period, rownorm_scale, ns_*, adjust_lr, schedule: Muon group defaults
-            (:class:`~.config.MuonConfig`), as are drift_threshold, min_period, max_period, auto_scale_multiplier.
+            (:class:`~.config.MuonConfig`), as are drift_threshold, min_period, max_period, auto_scale_multiplier
+            and refresh_warmup (:math:`t_w`: the first steps all refresh, K = 1, before either schedule).
         adamw_lr / adamw_weight_decay: defaults of AdamW groups (``None``: ``lr`` / ``weight_decay``); betas, eps:
             :class:`~lightning_muon.optim.config.AdamWConfig`.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (above).
@@ -155,6 +156,7 @@ class PeriodicRowwiseMuon(Optimizer):
         min_period: int = 1,
         max_period: int | None = None,
         auto_scale_multiplier: float = 1.0,
+        refresh_warmup: int = 0,
         adamw_lr: float | Tensor | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,

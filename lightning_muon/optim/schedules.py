@@ -32,8 +32,15 @@ __all__ = ["AdaptiveSchedule", "FixedSchedule", "refresh_counts"]
 HOST_STATE = ("refresh_age", "refresh_drift", "refreshes")
 
 
+def warming_up(group: dict[str, Any]) -> bool:
+    """Whether this step is in the group's refresh warm-up: its first ``refresh_warmup`` steps refresh every matrix
+    (K = 1), the momentum's early directions changing too fast for RowNorm steps to follow them."""
+    return group["step"] < group["refresh_warmup"]
+
+
 class FixedSchedule:
-    """All matrices of a group refresh together, on steps with ``(t - 1) mod K == 0`` (t: the group's counter)."""
+    """All matrices of a group refresh together: on steps with ``t <= t_w`` (the refresh warm-up) or
+    ``(t - 1) mod K == 0`` (t: the group's counter, t_w: ``refresh_warmup``)."""
 
     measures_drift = False
 
@@ -41,7 +48,7 @@ class FixedSchedule:
         pass
 
     def plan(self, group: dict[str, Any], states: list[dict[str, Any]]) -> list[bool]:
-        return [group["step"] % group["period"] == 0] * len(states)
+        return [warming_up(group) or group["step"] % group["period"] == 0] * len(states)
 
     def statistics(
         self, group: dict[str, Any], state: dict[str, Any], momentum: Tensor, grad: Tensor, dim: int, fused: bool
@@ -57,9 +64,9 @@ class FixedSchedule:
 
 
 class AdaptiveSchedule(FixedSchedule):
-    r"""Each matrix refreshes on its own: when never refreshed, after ``max_period`` steps, or after at least
-    ``min_period`` steps once the drift :math:`1 - \frac1p\sum_i \cos(n_i, r_i)` of the oriented rows of its
-    look-ahead N from those at its last refresh R passed ``drift_threshold`` on the previous step.
+    r"""Each matrix refreshes on its own: in the refresh warm-up, when never refreshed, after ``max_period`` steps, or
+    after at least ``min_period`` steps once the drift :math:`1 - \frac1p\sum_i \cos(n_i, r_i)` of the oriented rows
+    of its look-ahead N from those at its last refresh R passed ``drift_threshold`` on the previous step.
 
     The drift is measured on RowNorm steps from sums that ride the statistics all-reduce (identical on every rank,
     no extra collective). State per matrix: R (one shard-sized buffer) and host counters, all checkpointed. On CUDA
@@ -84,7 +91,7 @@ class AdaptiveSchedule(FixedSchedule):
     def _due(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         age = int(state["refresh_age"])
         longest = group["period"] if group["max_period"] is None else group["max_period"]
-        if age < 0 or age >= longest:
+        if age < 0 or age >= longest or warming_up(group):
             return True
         if age < group["min_period"]:
             return False
@@ -156,7 +163,7 @@ def refresh_counts(param_groups: list[dict[str, Any]], states: dict[Tensor, dict
         if not group["use_muon"]:
             continue
         names = group.get("param_names") or [f"group{g}.{i}" for i in range(len(group["params"]))]
-        fixed = 0 if group["step"] == 0 else (group["step"] - 1) // group["period"] + 1
+        fixed = fixed_refreshes(group["step"], group["period"], group["refresh_warmup"])
         per_matrix = {
             name: int(states[p]["refreshes"]) if "refreshes" in states.get(p, {}) else fixed
             for name, p in zip(names, group["params"])
@@ -164,6 +171,13 @@ def refresh_counts(param_groups: list[dict[str, Any]], states: dict[Tensor, dict
         counts[f"group{g}"] = sum(per_matrix.values())
         counts.update(per_matrix)
     return counts
+
+
+def fixed_refreshes(steps: int, period: int, warmup: int) -> int:
+    r"""Refreshes of a fixed schedule in its first ``steps`` steps: :math:`\min(s, t_w) + \lceil s/K \rceil -
+    \lceil \min(s, t_w)/K \rceil` (every warm-up step, then the steps with :math:`(t-1) \bmod K = 0` after it)."""
+    dense = min(steps, warmup)
+    return dense + -(-steps // period) - -(-dense // period)
 
 
 def _cosines(dot: Tensor, nn: Tensor, rr: Tensor) -> Tensor:

@@ -138,3 +138,82 @@ def test_adaptive_decisions_agree_across_ranks_with_no_extra_collective(world):
             assert all(s["profiled"]["allreduce"] <= 1 for s in steps)
             for got, want in zip(rank_results[case]["params"], dense):
                 torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
+
+
+WARMUP = dict(period=3, refresh_warmup=4)
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+def test_refresh_warmup_refreshes_every_step_then_hands_over_to_the_schedule(schedule):
+    """The first ``refresh_warmup`` steps all refresh and are vanilla Muon (K = 1) bit for bit; then the schedule
+    takes over — fixed K keeps its phase ((t − 1) mod K = 0: steps 7 and 10), adaptive goes on from age 1.
+    ``refresh_counts`` follows. Control: without the warm-up, the first steps are not Muon's."""
+    n = len(SHAPES)
+    options = dict(WARMUP, schedule=schedule) | (
+        {"max_period": 3, "drift_threshold": 1.99} if schedule == "adaptive" else {}
+    )
+    warm, refreshes, _, opt = dense_steps(SHAPES, 10, **options)
+    assert refreshes == [n] * 4 + [0, 0, n, 0, 0, n]
+    assert opt.refresh_counts()["group0"] == 6 * n
+    muon, _, _, _ = dense_steps(SHAPES, 4, period=1)
+    first, _, _, _ = dense_steps(SHAPES, 4, **options)
+    assert all(torch.equal(a, b) for a, b in zip(muon, first))
+    cold, _, _, _ = dense_steps(SHAPES, 4, period=3, schedule=schedule)
+    assert not all(torch.equal(a, b) for a, b in zip(muon, cold))
+
+
+def test_refresh_warmup_resumes_from_its_checkpoint():
+    """Saved inside the warm-up (step 2 of 4), resumed for 8 more: the refresh sequence, weights and refresh counts
+    of the uninterrupted run. The warm-up is the checkpoint's (a group option, like K): control — a state dict whose
+    groups lost ``refresh_warmup`` resumes without it and differs."""
+    straight, straight_refreshes, _, straight_opt = dense_steps(SHAPES, 10, **WARMUP)
+    first, first_refreshes, _, first_opt = dense_steps(SHAPES, 2, **WARMUP)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "opt": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    def resume(opt_state):
+        params = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
+        return dense_steps(SHAPES, 10, params=params, opt_state=opt_state, start=2, **WARMUP)
+
+    resumed, resumed_refreshes, _, resumed_opt = resume(saved["opt"])
+    assert first_refreshes + resumed_refreshes == straight_refreshes
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    assert resumed_opt.refresh_counts() == straight_opt.refresh_counts()
+    for group in saved["opt"]["param_groups"]:
+        del group["refresh_warmup"]
+    control, control_refreshes, _, _ = resume(saved["opt"])
+    assert first_refreshes + control_refreshes != straight_refreshes
+    assert not all(torch.equal(a, b) for a, b in zip(straight, control))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_refresh_warmup_sharded_equals_dense_with_no_extra_collective(world):
+    """FSDP2 shards (uneven; an empty one at 3 ranks), fixed and adaptive, gather and scatter: every rank takes the
+    dense run's refresh sequence (warm-up included) with at most one all-reduce per step, and ends with its weights.
+    Control: the dense run without the warm-up is not within the tolerance."""
+    adaptive = {"refresh_warmup": 4, "schedule": "adaptive", "drift_threshold": 1.99, "max_period": 3}
+    cases = [
+        (3, mode, torch.float32, extra) for mode in ("gather", "scatter") for extra in ({"refresh_warmup": 4}, adaptive)
+    ]
+    results = run_distributed(sharded_run, world, SHAPES, cases, 8)
+    dense, refreshes, _, _ = dense_steps(SHAPES, 8, **WARMUP)
+    assert refreshes == [len(SHAPES)] * 4 + [0, 0, len(SHAPES), 0]
+    cold, _, _, _ = dense_steps(SHAPES, 8, period=3)
+    assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(cold, dense))
+    for case in range(len(cases)):
+        for rank_results in results:
+            steps = rank_results[case]["steps"]
+            assert [s["branches"]["refresh"] for s in steps] == refreshes
+            assert all(s["profiled"]["allreduce"] <= 1 for s in steps)
+            for got, want in zip(rank_results[case]["params"], dense):
+                torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_refresh_warmup_must_be_a_whole_number_of_steps():
+    p = [torch.nn.Parameter(torch.zeros(4, 4))]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="refresh_warmup .* must be an integer >= 0"):
+            PeriodicRowwiseMuon(p, refresh_warmup=bad)

@@ -466,8 +466,8 @@ def test_memory_estimate_counts_every_part_and_the_big_configs_fit_an_80gb_gpu()
 
 
 def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
-    """Layer-wise K, the adaptive schedule and an opt-in orthogonalizer, set from the command line, end up in the
-    optimizer's groups (attention at K=2, the other matrices at the config's K=3)."""
+    """Layer-wise K, the adaptive schedule, a refresh warm-up and an opt-in orthogonalizer, set from the command line,
+    end up in the optimizer's groups (attention at K=2, the other matrices at the config's K=3)."""
     import yaml
 
     from lightning_muon.recipes.cli import main
@@ -479,6 +479,7 @@ def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
         "param_overrides": '{"attention": {"period": 2}}',
         "ns_method": "gram",
         "ns_coefficients": "polar_express",
+        "refresh_warmup": "5",
     }
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *[arg for k, v in flags.items() for arg in (f"--model.{k}", v)], "--print_config"])
@@ -491,7 +492,7 @@ def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
     attention = next(g for g in groups if "transformer_blocks.0.attn1.to_q.weight" in g["param_names"])
     assert attention["period"] == 2 and {g["period"] for g in groups} == {2, 3}
     assert all(g["schedule"] == "adaptive" and g["ns_method"] == "gram" and g["max_period"] == 6 for g in groups)
-    assert all(g["ns_coefficients"] == "polar_express" for g in groups)
+    assert all(g["ns_coefficients"] == "polar_express" and g["refresh_warmup"] == 5 for g in groups)
 
 
 @pytest.mark.parametrize("quiet", [False, True])
