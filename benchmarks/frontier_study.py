@@ -18,7 +18,8 @@ budget, not only at the plateau where every tuned optimizer ends equal.
 - **Reported seeds** (``--seeds``, disjoint from the tuning seeds) are trained at every lr some budget chose; a budget
   reports the seeds at its own choice. Never chosen on FD.
 - **Arms** (``--arms``; ``ARMS``): AdamW, Muon, Periodic (K=3, γ 0.15, the paper's), auto-γ (descent- and
-  RMS-matched), adaptive refresh, layer-wise K, Polar Express, Turbo-Muon, Gram NS — every one with its own sweep.
+  RMS-matched), adaptive refresh, layer-wise K, Polar Express, Turbo-Muon, Gram NS, a refresh warm-up — every one
+  with its own sweep.
 
 Resumable: units whose rows are in the CSV are not trained again; each finished unit is appended at once (a unit cut
 short is trained again from its start); the plan is recomputed after every unit. ``--jobs`` units in parallel.
@@ -72,6 +73,9 @@ ARMS: dict[str, dict[str, Any]] = {
     "polar_express": {**PERIODIC, "ns_coefficients": "polar_express"},
     "turbo_muon": {**PERIODIC, "ns_coefficients": "turbo_muon", "ns_normalize": "aol", "ns_steps": 4},
     "gram": {**PERIODIC, "ns_method": "gram"},
+    # refresh warm-up (#37's item 3: Periodic trails at short budgets): the first 60 steps all refresh (3× the lr
+    # warm-up, half the shortest budget; +10% refreshes at 1200 steps) — one N, not tuned
+    "warmup": {**PERIODIC, "refresh_warmup": 60},
 }
 DEFAULT_ARMS = ["adamw", "muon", "periodic"]
 
