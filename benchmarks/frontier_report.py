@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from frontier_study import Plan, budgets, tuning_loss, unit_key
+from frontier_study import ARMS, Plan, budgets, tuning_loss, unit_key
 from quality_report import beyond_2se, mean_se
 from quality_study import _f
 
@@ -100,6 +100,7 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
         f = Frontier(rows, plan, config, args)
         header = ["arm", *(f"{T} steps" for T in lengths)]
         lines += [f"## {config}", ""]
+        lines += arms_table(f, lengths)
         for column, (title, digits) in METRICS.items():
             lines += [f"### {title} at each budget", ""]
             lines += table(header, [[arm, *(f.text(arm, T, column, digits) for T in lengths)] for arm in args.arms])
@@ -122,6 +123,16 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
     text = "\n".join(lines)
     (out_dir / "frontier.md").write_text(text)
     return text
+
+
+def arms_table(f: Frontier, lengths: list[int]) -> list[str]:
+    """Each arm's DiTModule options and its NS5 refreshes per matrix over the longest budget (mean over seeds)."""
+    body = []
+    for arm in f.args.arms:
+        options = ", ".join(f"{k}={v}" for k, v in ARMS[arm].items())
+        refreshes = f.mean(arm, lengths[-1], "refreshes")
+        body.append([arm, f"`{options}`", "—" if math.isnan(refreshes) else f"{refreshes:.0f}"])
+    return ["### The arms", ""] + table(["arm", "options", f"refreshes per matrix in {lengths[-1]} steps"], body)
 
 
 def seconds(f: Frontier, arm: str, T: int) -> str:
