@@ -87,6 +87,16 @@ def test_unknown_layer_type_or_bad_adaptive_options_are_named():
         PeriodicRowwiseMuon(p, schedule="adaptive", drift_threshold=0.0)
 
 
+def assert_ranks_follow_dense(results, refreshes, dense):
+    """Every case on every rank: the dense refresh sequence, at most one all-reduce per step, the dense weights."""
+    for rank_results in results:
+        for case in rank_results:
+            assert [s["branches"]["refresh"] for s in case["steps"]] == refreshes
+            assert all(s["profiled"]["allreduce"] <= 1 for s in case["steps"])
+            for got, want in zip(case["params"], dense):
+                torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
+
+
 ADAPTIVE = dict(period=3, schedule="adaptive", drift_threshold=0.5, min_period=1, max_period=4)
 
 
@@ -131,13 +141,7 @@ def test_adaptive_decisions_agree_across_ranks_with_no_extra_collective(world):
     dense, refreshes, drifts, _ = dense_steps(SHAPES, 8, **ADAPTIVE)
     margin = min(abs(d - ADAPTIVE["drift_threshold"]) for step in drifts for d in step if d)
     assert margin > 1e-3  # no decision is a rounding coin-flip between the dense and the sharded sums
-    for case in range(len(cases)):
-        for rank_results in results:
-            steps = rank_results[case]["steps"]
-            assert [s["branches"]["refresh"] for s in steps] == refreshes
-            assert all(s["profiled"]["allreduce"] <= 1 for s in steps)
-            for got, want in zip(rank_results[case]["params"], dense):
-                torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
+    assert_ranks_follow_dense(results, refreshes, dense)
 
 
 WARMUP = dict(period=3, refresh_warmup=4)
@@ -203,13 +207,7 @@ def test_refresh_warmup_sharded_equals_dense_with_no_extra_collective(world):
     assert refreshes == [len(SHAPES)] * 4 + [0, 0, len(SHAPES), 0]
     cold, _, _, _ = dense_steps(SHAPES, 8, period=3)
     assert not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(cold, dense))
-    for case in range(len(cases)):
-        for rank_results in results:
-            steps = rank_results[case]["steps"]
-            assert [s["branches"]["refresh"] for s in steps] == refreshes
-            assert all(s["profiled"]["allreduce"] <= 1 for s in steps)
-            for got, want in zip(rank_results[case]["params"], dense):
-                torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
+    assert_ranks_follow_dense(results, refreshes, dense)
 
 
 def test_refresh_warmup_must_be_a_whole_number_of_steps():
