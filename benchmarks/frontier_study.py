@@ -22,7 +22,8 @@ budget, not only at the plateau where every tuned optimizer ends equal.
   with its own sweep.
 
 Resumable: units whose rows are in the CSV are not trained again; each finished unit is appended at once (a unit cut
-short is trained again from its start); the plan is recomputed after every unit. ``--jobs`` units in parallel.
+short is trained again from its start); the plan is recomputed after every unit. ``--jobs`` units in parallel. Stop
+it with Ctrl-C or by killing its process group: its workers are processes of their own.
 
     python benchmarks/frontier_study.py --jobs 2                       # AdamW, Muon, Periodic (resumable)
     python benchmarks/frontier_study.py --jobs 2 --arms all            # every arm
@@ -35,6 +36,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -130,7 +133,9 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     spec = CONFIGS[unit.config]
     branch_at = {T - decay_steps(T, args.decay_fraction): T for T in budgets(args)}  # decay start → budget
-    work = Path(args.work) / "units" / "_".join(map(str, unit.key))
+    # a directory of this process's own: a worker left running by a killed study cannot delete its checkpoints
+    (Path(args.work) / "units").mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="_".join(map(str, unit.key)) + "_", dir=Path(args.work) / "units"))
 
     def module(schedule: str) -> DiTModule:
         lr = {"lr": unit.lr} if is_muon(unit.arm) else {"adamw_lr": unit.lr}
@@ -236,8 +241,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "device": args.device,
             }
         )
-    for path in work.glob("branch_*.ckpt"):
-        path.unlink()
+    shutil.rmtree(work)
     return rows
 
 

@@ -120,6 +120,7 @@ def test_quick_frontier_csv_schema_resume_and_report(tmp_path):
     assert {r["role"] for r in rows} == {"tune", "report"}
     units = {(r["arm"], r["lr"], r["seed"]) for r in rows}
     assert len(units) == len(rows) // 2  # one row per budget, no unit trained twice
+    assert not any((tmp_path / ".frontier_work" / "units").iterdir())  # each unit removed its checkpoints
     for r in rows:  # NS5 refreshes per matrix over the budget: every step for Muon, fewer for Periodic, none for AdamW
         refreshes, T = float(r["refreshes"]), int(r["budget"])
         assert refreshes == {"muon": T, "adamw": 0}.get(r["arm"], refreshes) and (
