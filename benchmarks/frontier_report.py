@@ -6,10 +6,12 @@ than planned so far (a one-seed cell has no SE); ``e``: the lr chosen at this bu
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+from frontier_pace import seconds_at
 from frontier_study import ARMS, Plan, budgets, tuning_loss, unit_key
 from quality_report import beyond_2se, mean_se
 from quality_study import _f
@@ -17,12 +19,24 @@ from quality_study import _f
 METRICS = {"fd": ("FD (digits features)", 3), "val_loss": ("validation loss", 4)}
 
 
-class Frontier:
-    """One configuration's reported rows, looked up by (arm, budget) at the lr chosen for that budget."""
+#: the frontier's clock columns and their names in ``frontier_pace.json``
+PACED = {"wall_seconds": "step_s", "optimizer_seconds": "optimizer_s"}
 
-    def __init__(self, rows: list[dict[str, Any]], plan: Plan, config: str, args: argparse.Namespace):
+
+class Frontier:
+    """One configuration's reported rows, looked up by (arm, budget) at the lr chosen for that budget; ``pace``: the
+    side-by-side clocks of ``frontier_pace.py`` per arm, if measured for this configuration."""
+
+    def __init__(self, rows: list[dict[str, Any]], plan: Plan, config: str, args: argparse.Namespace, pace=None):
         self.rows = [r for r in rows if r["config"] == config]
-        self.plan, self.config, self.args = plan, config, args
+        self.plan, self.config, self.args, self.pace = plan, config, args, pace or {}
+
+    def seconds(self, arm: str, T: int, column: str) -> float:
+        """Training (``wall_seconds``) or optimizer seconds of ``T`` steps: side by side where ``frontier_pace.py``
+        measured the arm, else the mean of the reported seeds' own clocks."""
+        if arm in self.pace:
+            return seconds_at(self.pace[arm], PACED[column], T)
+        return self.mean(arm, T, column)
 
     def lr(self, arm: str, T: int) -> float | None:
         chosen = self.plan.sweeps[self.config, arm].chosen
@@ -97,19 +111,25 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
     ]
     lengths = budgets(args)
     for config in args.configs:
-        f = Frontier(rows, plan, config, args)
+        f = Frontier(rows, plan, config, args, load_pace(out_dir / "frontier_pace.json", config))
         header = ["arm", *(f"{T} steps" for T in lengths)]
         lines += [f"## {config}", ""]
         lines += arms_table(f, lengths)
         for column, (title, digits) in METRICS.items():
             lines += [f"### {title} at each budget", ""]
             lines += table(header, [[arm, *(f.text(arm, T, column, digits) for T in lengths)] for arm in args.arms])
-        lines += ["### FD relative to Muon (± delta-method SE)", ""]
-        body = [
-            [arm, *(ratio(f.values(arm, T, "fd"), f.values("muon", T, "fd")) for T in lengths)] for arm in args.arms
+        lines += ratio_table(f, lengths, "muon", args.arms)
+        variants = [arm for arm in args.arms if arm not in ("adamw", "muon", "periodic")]
+        if variants and "periodic" in args.arms:  # Periodic's variants against what they modify
+            lines += ratio_table(f, lengths, "periodic", variants)
+        lines += paced_table(f, lengths)
+        lines += [
+            "### Seconds at each budget as trained: optimizer / training wall (mean over reported seeds)",
+            "",
+            "The units' own clocks: arms trained one after another, hours apart, two at a time on a shared machine — "
+            "compare arms with the side-by-side table above.",
+            "",
         ]
-        lines += table(header, body)
-        lines += ["### Seconds at each budget: optimizer / training wall (mean over reported seeds)", ""]
         body = [[arm, *(seconds(f, arm, T) for T in lengths)] for arm in args.arms]
         lines += table(header, body)
         lines += positive_control(f, lengths)
@@ -123,6 +143,44 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
     text = "\n".join(lines)
     (out_dir / "frontier.md").write_text(text)
     return text
+
+
+def load_pace(path: Path, config: str) -> dict[str, Any]:
+    """The arms' side-by-side clocks from ``frontier_pace.json`` if it was measured on ``config``, else none."""
+    if not path.exists():
+        return {}
+    pace = json.loads(path.read_text())
+    return pace["arms"] if pace["config"]["config"] == config else {}
+
+
+def paced_table(f: Frontier, lengths: list[int]) -> list[str]:
+    """Training seconds of each budget side by side (``frontier_pace.py``) and relative to Muon's."""
+    if not f.pace:
+        return []
+    body = []
+    for arm in f.args.arms:
+        if arm not in f.pace:
+            continue
+        cells = []
+        for T in lengths:
+            wall, muon = f.seconds(arm, T, "wall_seconds"), f.seconds("muon", T, "wall_seconds")
+            cells.append(f"{wall:.1f} ({wall / muon:.2f}×)")
+        body.append([arm, *cells])
+    return [
+        "### Training seconds at each budget, side by side (relative to Muon)",
+        "",
+        "`benchmarks/frontier_pace.py`: every arm one training step in turn in one process (forward, backward, "
+        "clipping, the optimizer step with the arm's refresh schedule, EMA), measured over its first "
+        f"{len(next(iter(f.pace.values()))['step_s'])} steps and extended at the rate of their second half.",
+        "",
+    ] + table(["arm", *(f"{T} steps" for T in lengths)], body)
+
+
+def ratio_table(f: Frontier, lengths: list[int], base: str, arms: list[str]) -> list[str]:
+    """FD of each of ``arms`` relative to ``base``'s at every budget; ``*``: beyond 2 SE of ``base``."""
+    header = ["arm", *(f"{T} steps" for T in lengths)]
+    body = [[arm, *(ratio(f.values(arm, T, "fd"), f.values(base, T, "fd")) for T in lengths)] for arm in arms]
+    return [f"### FD relative to {base} (± delta-method SE, `*` beyond 2 SE)", ""] + table(header, body)
 
 
 def arms_table(f: Frontier, lengths: list[int]) -> list[str]:
@@ -163,8 +221,9 @@ def time_to_muon(f: Frontier, lengths: list[int]) -> list[str]:
     lines = [
         "### Budget each arm needs to reach Muon's FD at each budget",
         "",
-        "Smallest budget whose mean FD ≤ Muon's mean FD at the column's budget: steps (its mean training wall / "
-        "optimizer seconds relative to Muon's at that budget). Budgets are about ×2 apart, so this is coarse.",
+        "Smallest budget whose mean FD ≤ Muon's mean FD at the column's budget: steps (its training / optimizer "
+        "seconds relative to Muon's at that budget — side by side where measured, else as trained). Budgets are about "
+        "×2 apart, so this is coarse.",
         "",
     ]
     body = []
@@ -176,7 +235,7 @@ def time_to_muon(f: Frontier, lengths: list[int]) -> list[str]:
             if hit is None:
                 cells.append("—")
                 continue
-            wall, opt = (f.mean(arm, hit, c) / f.mean("muon", T, c) for c in ("wall_seconds", "optimizer_seconds"))
+            wall, opt = (f.seconds(arm, hit, c) / f.seconds("muon", T, c) for c in PACED)
             cells.append(f"{hit} ({wall:.2f}× / {opt:.2f}×)")
         body.append([arm, *cells])
     return lines + table(["arm", *(f"Muon@{T}" for T in lengths)], body)
@@ -215,7 +274,7 @@ def plot(f: Frontier, lengths: list[int], out_dir: Path) -> Path | None:
             fd = f.values(arm, T, "fd")
             if fd:
                 m, se = mean_se(fd)
-                points.append((T, f.mean(arm, T, "wall_seconds"), m, 2 * se))
+                points.append((T, f.seconds(arm, T, "wall_seconds"), m, 2 * se))
         if not points:
             continue
         drawn = True
@@ -226,7 +285,8 @@ def plot(f: Frontier, lengths: list[int], out_dir: Path) -> Path | None:
     if not drawn:
         plt.close(fig)
         return None
-    for ax, xlabel in zip(axes, ("budget (optimizer steps)", "training wall seconds")):
+    seconds = "training seconds" + (" (side by side)" if f.pace else "")
+    for ax, xlabel in zip(axes, ("budget (optimizer steps)", seconds)):
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="FD at the budget's end")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)

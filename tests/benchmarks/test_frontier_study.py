@@ -154,3 +154,34 @@ def test_quick_frontier_csv_schema_resume_and_report(tmp_path):
     (tmp_path / "frontier.csv").write_text("a,b\n1,2\n")  # control: a CSV that is not this study's is refused
     broken = study(tmp_path, "--report-only")
     assert broken.returncode != 0 and "lacks columns" in broken.stderr
+
+
+def test_paced_seconds_are_measured_then_extended_at_the_second_half_rate():
+    """``seconds_at``: the measured cumulative clock up to its length, then the rate of its second half (past a
+    warm-up whose steps cost more). Control: a budget inside the clock reads it, not the extension."""
+    import frontier_pace as fp
+
+    clock = {"step_s": [2.0, 4.0, 5.0, 6.0]}  # 2 s steps in a warm-up, then 1 s
+    assert fp.seconds_at(clock, "step_s", 3) == 5.0
+    assert fp.seconds_at(clock, "step_s", 10) == 6.0 + 6 * 1.0
+
+
+def test_pace_times_each_arm_with_its_own_refresh_schedule(tmp_path):
+    """A real round-robin of 6 steps: cumulative clocks that grow, and each arm's NS5 refreshes per matrix — Muon every
+    step, Periodic every third, the warm-up arm every step inside its warm-up, AdamW none; the report then compares
+    arms on these clocks (control: without the JSON it has no side-by-side table)."""
+    import frontier_pace as fp
+    import frontier_report as fr
+
+    out = tmp_path / "frontier_pace.json"
+    fp.main(["--steps", "6", "--arms", "adamw", "muon", "periodic", "warmup", "--out", str(out)])
+    pace = fr.load_pace(out, "digits8")
+    assert {arm: pace[arm]["refreshes"] for arm in pace} == {"adamw": 0, "muon": 6, "periodic": 2, "warmup": 6}
+    for clock in pace.values():
+        assert len(clock["step_s"]) == 6 and all(a < b for a, b in zip(clock["step_s"], clock["step_s"][1:]))
+        assert 0 < clock["optimizer_s"][-1] < clock["step_s"][-1]
+    a = args("--arms", "adamw", "muon", "periodic", "warmup")
+    a.command, a.machine = "test", "test"
+    assert "### Training seconds at each budget, side by side" in fr.report([], fs.plan([], a), a, tmp_path)
+    out.unlink()
+    assert "### Training seconds at each budget, side by side" not in fr.report([], fs.plan([], a), a, tmp_path)
