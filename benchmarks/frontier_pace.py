@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import time
+import warnings
 from pathlib import Path
 
 from frontier_study import ARMS, is_muon
@@ -34,6 +35,7 @@ def pace(arms: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[
     from lightning_muon.recipes.data import DigitsDataModule
     from lightning_muon.recipes.module import DiTModule
 
+    warnings.filterwarnings("ignore", message=".*self.log.*")  # training_step outside a Trainer: nothing to log to
     torch.set_num_threads(args.threads)
     spec = CONFIGS[args.config]
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
