@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from frontier_study import ARMS, is_muon
-from quality_study import CONFIGS, muon_state
+from quality_study import CONFIGS, RUN_OPTIONS, muon_state
 
 
 def pace(arms: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[float] | float]]:
@@ -45,8 +45,7 @@ def pace(arms: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[
     for arm in arms:
         torch.manual_seed(0)
         lr = {"lr": args.lr_muon} if is_muon(arm) else {"adamw_lr": args.lr_adamw}
-        options = dict(schedule="constant", ema_decay=0.995, nonfinite="skip", ns_dtype="float32")
-        module = DiTModule(model_config=spec["model_config"], **options, **ARMS[arm], **lr)
+        module = DiTModule(model_config=spec["model_config"], schedule="constant", **RUN_OPTIONS, **ARMS[arm], **lr)
         module.configure_model()
         runs[arm] = (module, module.configure_optimizers()["optimizer"])
     clocks = {arm: {"step_s": [], "optimizer_s": []} for arm in arms}
@@ -61,7 +60,8 @@ def pace(arms: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[
             torch.nn.utils.clip_grad_norm_(module.model.parameters(), 1.0)
             opt.step()
             with torch.no_grad():
-                torch._foreach_lerp_(list(module.ema.parameters()), list(module.model.parameters()), 1 - 0.995)
+                ema = 1 - module.hparams.ema_decay
+                torch._foreach_lerp_(list(module.ema.parameters()), list(module.model.parameters()), ema)
             end = time.perf_counter()
             for key, seconds in (("step_s", end - start), ("optimizer_s", end - mid)):
                 so_far = clocks[arm][key]

@@ -42,7 +42,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from quality_study import CONFIGS, _f, execute_planned, muon_state, run_study
+from quality_study import (
+    CONFIGS,
+    RUN_OPTIONS,
+    _f,
+    digits_evaluation,
+    execute_planned,
+    muon_state,
+    quality_of,
+    run_study,
+)
 
 COLUMNS = [
     "config",
@@ -126,7 +135,6 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     from lightning.pytorch.callbacks import Callback
 
-    from lightning_muon.callbacks import GenerationEvaluation
     from lightning_muon.recipes.data import DigitsDataModule
     from lightning_muon.recipes.module import DiTModule, decay_steps
 
@@ -144,10 +152,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
             schedule=schedule,
             warmup_steps=args.warmup,
             decay_fraction=args.decay_fraction,
-            ema_decay=0.995,
-            cfg_dropout=0.1,
-            nonfinite="skip",
-            ns_dtype="float32",  # the same NS arithmetic whether or not the CPU has native bf16
+            **RUN_OPTIONS,
             **ARMS[unit.arm],
             **lr,
         )
@@ -198,16 +203,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
     for start, T in sorted(branch_at.items()):
         L.seed_everything(unit.seed, verbose=False)
         clock = Clock(start=stable.at_branch[start])  # before the evaluation: its clocks stop at step T
-        evaluation = GenerationEvaluation(
-            metrics=["fd_digits", "prdc_digits"],
-            every_n_steps=T,  # once: the branch runs from T − d(T) to T
-            num_samples=args.samples,
-            num_inference_steps=args.inference_steps,
-            batch_size=250,
-            grid_size=0,
-            progress=False,
-            reference_dir=str(Path(args.work) / "eval_reference"),  # shared by every unit: computed once
-        )
+        evaluation = digits_evaluation(T, args)  # once: the branch runs from T − d(T) to T
         branch = module("wsd")
         run = trainer(T, [clock, evaluation])
         run.fit(branch, data, ckpt_path=work / f"branch_{start}.ckpt")
@@ -228,11 +224,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "lr": unit.lr,
                 "seed": unit.seed,
                 "budget": T,
-                "fd": entry.get("eval/fd_digits"),
-                "precision": entry.get("eval/precision_digits"),
-                "recall": entry.get("eval/recall_digits"),
-                "density": entry.get("eval/density_digits"),
-                "coverage": entry.get("eval/coverage_digits"),
+                **quality_of(entry),
                 "val_loss": float(val),
                 "optimizer_seconds": clock.optimizer_seconds,
                 "wall_seconds": clock.wall,

@@ -100,6 +100,41 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 PAPER_GAMMA = 0.15
+#: DiTModule options every study run shares beside its arm's and its lr (NS in float32: the same arithmetic whether
+#: or not the CPU has native bf16, which the default would pick)
+RUN_OPTIONS: dict[str, Any] = dict(ema_decay=0.995, cfg_dropout=0.1, nonfinite="skip", ns_dtype="float32")
+#: what each evaluation of a study run measures, as CSV columns: the GenerationEvaluation keys they come from
+QUALITY_COLUMNS = {
+    "fd": "eval/fd_digits",
+    "precision": "eval/precision_digits",
+    "recall": "eval/recall_digits",
+    "density": "eval/density_digits",
+    "coverage": "eval/coverage_digits",
+}
+
+
+def digits_evaluation(every_n_steps: int, args: argparse.Namespace, cls: type | None = None):
+    """The evaluation of every study run: digits FD and PRDC of ``args.samples`` EMA samples, no grid, the reference
+    statistics shared by every run under ``args.work`` (computed once)."""
+    from lightning_muon.callbacks import GenerationEvaluation
+
+    return (cls or GenerationEvaluation)(
+        metrics=["fd_digits", "prdc_digits"],
+        every_n_steps=every_n_steps,
+        num_samples=args.samples,
+        num_inference_steps=args.inference_steps,
+        batch_size=250,
+        grid_size=0,
+        progress=False,
+        reference_dir=str(Path(args.work) / "eval_reference"),
+    )
+
+
+def quality_of(entry: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation's ``QUALITY_COLUMNS``."""
+    return {column: entry.get(key) for column, key in QUALITY_COLUMNS.items()}
+
+
 PLOTS = "quality_study_"  # prefix of the PNG files beside the CSV
 
 
@@ -178,10 +213,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
         rownorm_scale=arm.scale if arm.optimizer == "periodic_muon" else PAPER_GAMMA,
         warmup_steps=max(1, steps // 30),
         schedule="constant",
-        ema_decay=0.995,
-        cfg_dropout=0.1,
-        nonfinite="skip",
-        ns_dtype="float32",  # the same NS arithmetic whether or not the CPU has native bf16 (the default picks it)
+        **RUN_OPTIONS,
         **({"lr": run.lr} if arm.is_muon else {"adamw_lr": run.lr}),
     )
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
@@ -221,16 +253,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
                 clock.eval_seconds += time.perf_counter() - start
 
     clock = Clock()
-    evaluation = EvalTimer(
-        metrics=["fd_digits", "prdc_digits"],
-        every_n_steps=eval_every,
-        num_samples=args.samples,
-        num_inference_steps=args.inference_steps,
-        batch_size=250,
-        grid_size=0,
-        progress=False,
-        reference_dir=str(Path(args.work) / "eval_reference"),  # shared by every run: computed once
-    )
+    evaluation = digits_evaluation(eval_every, args, EvalTimer)
     trainer = L.Trainer(
         accelerator=args.device,
         devices=1,
@@ -260,11 +283,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "lr": run.lr,
                 "seed": run.seed,
                 "step": step,
-                "fd": entry.get("eval/fd_digits"),
-                "precision": entry.get("eval/precision_digits"),
-                "recall": entry.get("eval/recall_digits"),
-                "density": entry.get("eval/density_digits"),
-                "coverage": entry.get("eval/coverage_digits"),
+                **quality_of(entry),
                 "val_loss": clock.val.get(step, math.nan),
                 "optimizer_seconds": opt_s,
                 "wall_seconds": wall_s,
