@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     machine = f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores"
-    out.write_text(json.dumps({"config": vars(args), "machine": machine, "arms": clocks}, indent=1))
+    out.write_text(json.dumps({"config": vars(args), "machine": machine, "arms": clocks}))
     print(f"wrote {out}")
 
 
