@@ -78,7 +78,7 @@ class DiTModule(L.LightningModule):
         refresh_schedule / drift_threshold / min_period / max_period: the optimizer's ``schedule`` (``"fixed"``: every
             ``period`` steps, or ``"adaptive"``: per matrix on momentum drift; see
             :class:`~lightning_muon.PeriodicRowwiseMuon`).
-        refresh_warmup: the first this many optimizer steps all refresh (K = 1), then the refresh schedule.
+        refresh_warmup: how many first optimizer steps all refresh (K = 1) before the refresh schedule takes over.
         param_overrides: layer-wise options of Muon groups, ``{pattern or layer type: options}`` for
             :func:`~lightning_muon.muon_param_groups` (e.g. ``{"attention": {"period": 2}, "feed_forward":
             {"period": 4}}``).
