@@ -4,7 +4,8 @@ training and saving, and resume from what they left.
 Ranks are forked from this process after Lightning is imported (a trial starts in ~1 s instead of ~10 s), each
 with the environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``TORCHELASTIC_RUN_ID``, …), so Lightning
 sees an externally launched job exactly as under torchrun. Each rank runs a real ``Trainer.fit`` with FSDP2 and
-``PeriodicRowwiseMuon`` and writes its stdout/stderr to ``<out>/<trial>/rank<r>.log``.
+``PeriodicRowwiseMuon`` and writes its stdout/stderr to ``<out>/<trial>/rank<r>.log`` (a rank still running at its
+deadline has its stacks dumped there before it is killed).
 
     python tests/faults/harness.py raise --out DIR          # rank failure propagation, 2 and 3 ranks
     python tests/faults/harness.py kill --trials 20 --out DIR
@@ -16,6 +17,7 @@ Both write ``<out>/report.json`` (read by tests/faults/test_faults.py) and print
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -90,6 +92,25 @@ def full_state(module: L.LightningModule) -> torch.Tensor:
     return torch.cat([t.detach().double().flatten() for t in tensors])
 
 
+class Joined(Callback):
+    """Writes ``joined<rank>`` once this rank's process group is formed (``setup`` runs after ``setup_environment``)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage):
+        (self.out / f"joined{trainer.global_rank}").touch()
+
+
+def wait_until_joined(out: Path, world: int, pids: dict[int, int], limit: float = 60) -> None:
+    """Until every rank has formed the process group (or one has exited, or ``limit`` seconds passed)."""
+    deadline = time.time() + limit
+    while time.time() < deadline and not all((out / f"joined{r}").is_file() for r in range(world)):
+        if any(os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) for pid in pids.values()):
+            return  # a rank exited (not reaped here: wait() collects its status)
+        time.sleep(0.02)
+
+
 class Record(Callback):
     """Rank 0 appends ``{"step", "loss"}`` per step to ``losses.jsonl``; with ``reference`` it saves the full state
     after each step, without it it checks the state just resumed against the reference's."""
@@ -149,6 +170,7 @@ def fit(out: Path, ckpt_dir: Path, reference: Path, args: dict) -> None:
             ModelCheckpoint(
                 dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=2, save_last=True, monitor="step", mode="max"
             ),
+            Joined(out),
             Record(out, reference, args.get("write_reference", False)),
         ],
     )
@@ -160,6 +182,7 @@ def worker(rank: int, world: int, port: int, out: Path, ckpt_dir: Path, referenc
     log = open(out / f"rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # wait() dumps a hung rank's stacks into its log
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -202,7 +225,8 @@ def launch(world: int, out: Path, ckpt_dir: Path, reference: Path, **args) -> di
 
 
 def wait(pids: dict[int, int], deadline: float) -> dict[int, dict]:
-    """Exit status and exit time of each rank; ranks still running at ``deadline`` are killed (status ``"hung"``)."""
+    """Exit status and exit time of each rank; ranks still running at ``deadline`` have their stacks written to their
+    log (SIGUSR1, faulthandler) and are killed (status ``"hung"``)."""
     result: dict[int, dict] = {}
     while len(result) < len(pids):
         for rank, pid in pids.items():
@@ -213,6 +237,8 @@ def wait(pids: dict[int, int], deadline: float) -> dict[int, dict]:
                 code = os.waitstatus_to_exitcode(status)
                 result[rank] = {"code": code, "time": time.time()}
             elif time.time() > deadline:
+                os.kill(pid, signal.SIGUSR1)
+                time.sleep(1)
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 result[rank] = {"code": "hung", "time": time.time()}
@@ -260,10 +286,16 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
     for t in range(trials + 1):
         run = out / f"trial{t:02d}"
         final = t == trials
+        kill_at = time.time() + rng.uniform(0.3, 2.5)
         pids = launch(2, run, ckpt_dir, reference, max_steps=max_steps)
         row: dict = {"trial": t}
         if not final:
-            time.sleep(rng.uniform(0.3, 2.5))
+            # a kill that would land before both ranks formed the group waits until they have: a rank whose peer
+            # dies in rendezvous retries the store until the timeout (torch's TCPStore client, by design: a peer
+            # may start late); the launcher stops it (torchrun, srun --kill-on-bad-exit), nothing of ours runs yet
+            wait_until_joined(run, 2, pids)
+            row["moved_past_rendezvous"] = time.time() > kill_at
+            time.sleep(max(0.0, kill_at - time.time()))
             victim = rng.randrange(2)
             during_save = any(ckpt_dir.glob(".*.partial"))
             killed_at = time.time()
@@ -295,6 +327,7 @@ def kill_trials(out: Path, trials: int, seed: int = 0, max_steps: int = 40) -> d
         "trials": trials,
         "killed": sum(1 for r in rows[:-1] if -9 in r["codes"]),
         "killed_during_save": sum(1 for r in rows[:-1] if -9 in r["codes"] and r["during_save"]),
+        "moved_past_rendezvous": sum(1 for r in rows[:-1] if r["moved_past_rendezvous"]),
         "resumed": len(resumed),
         "resumed_exactly": sum(1 for r in resumed if r["resumed"]["exact"]),
         "losses_match": all(r["losses_match"] for r in rows),
