@@ -88,6 +88,8 @@ ARMS: dict[str, dict[str, Any]] = {
     # refresh warm-up (#37's item 3: Periodic trails at short budgets): the first 60 steps all refresh (3× the lr
     # warm-up, half the shortest budget; +10% refreshes at 1200 steps) — one N, not tuned
     "warmup": {**PERIODIC, "refresh_warmup": 60},
+    # the same at half the length: is 60 special? (added once the 60-step arm had closed the gap)
+    "warmup30": {**PERIODIC, "refresh_warmup": 30},
 }
 DEFAULT_ARMS = ["adamw", "muon", "periodic"]
 
