@@ -17,7 +17,8 @@ serves modules without ``configure_model`` (which ``ModelParallelStrategy.setup`
 
 The process group belongs to Lightning and the launcher: the strategy never destroys it nor runs a collective in
 teardown (a rank that raised must not wait in a barrier for ranks that will never arrive). At interpreter exit a
-still-initialized group is destroyed by an ``atexit`` hook registered in ``setup_environment``. (A finished gloo run
+still-initialized group is destroyed by an ``atexit`` hook registered in ``setup_environment``, after gloo's workers had
+their exit grace. (A finished gloo run
 that aborted at exit — "terminate called without an active exception" — did so because gloo's worker threads took
 the GIL during finalization: :func:`~lightning_muon.optim.transport.release_gloo_workers_at_exit`.)
 
@@ -61,6 +62,7 @@ from lightning_muon.checkpoint import (
 )
 from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.shards import row_shard
+from lightning_muon.optim.transport import release_gloo_workers_at_exit
 from lightning_muon.parallelize import MixedPrecision, default_mp_policy, shard_transformer
 
 __all__ = ["MuonFSDPStrategy"]
@@ -352,6 +354,9 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
 
 def _destroy_process_group_at_exit() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # registered after the transport's exit hook, so it runs first (atexit is LIFO): give gloo's workers their
+        # grace here, while the group exists — after destroy_process_group that hook sees no group and skips it
+        release_gloo_workers_at_exit()
         torch.distributed.destroy_process_group()
 
 
