@@ -5,6 +5,7 @@ precision policy. One definition of a block serves the sharding, the Muon/AdamW 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,8 +18,10 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "BLOCK_MODULE_PATTERN",
     "BLOCK_PARAM_PATTERN",
+    "Blocks",
     "MixedPrecision",
     "block_modules",
+    "find_blocks",
     "default_mp_policy",
     "rank_and_world",
     "shard_transformer",
@@ -26,10 +29,16 @@ __all__ = [
 
 #: A transformer block's name: diffusers ``transformer_blocks.i`` / ``single_transformer_blocks.i``, timm ``blocks.i``.
 _BLOCK = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+"
-#: Transformer blocks, each sharded as its own FSDP2 unit.
+#: Transformer blocks named as diffusers and timm name them (found without this pattern too: :func:`find_blocks`).
 BLOCK_MODULE_PATTERN = _BLOCK + "$"
-#: Parameters inside a transformer block (the Muon candidates of :func:`~lightning_muon.muon_param_groups`).
+#: Parameters inside such a block.
 BLOCK_PARAM_PATTERN = _BLOCK + r"\."
+
+#: What a transformer block is, one definition for the parameter grouping, the FSDP2 plan and the memory estimate:
+#: ``None`` (found: :func:`find_blocks`), a regular expression matched with :func:`re.search` against module names
+#: (``r"layers\.\d+$"``), module classes or class names (``[LlamaDecoderLayer]``, ``["GPT2Block"]``, as Lightning's
+#: ``auto_wrap_policy={Block}``), or a predicate ``(name, module) -> bool``.
+Blocks = str | Sequence[type[nn.Module] | str] | Callable[[str, nn.Module], bool] | None
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -39,9 +48,63 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def block_modules(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of ``module`` (modules named like :data:`BLOCK_MODULE_PATTERN`), in order."""
-    return [m for name, m in module.named_modules() if re.search(BLOCK_MODULE_PATTERN, name)]
+def find_blocks(module: nn.Module, blocks: Blocks = None) -> dict[str, nn.Module]:
+    """The transformer blocks of ``module`` by name, in order, outermost only (a block inside a block is not one).
+
+    With ``blocks=None`` a block is a module named like :data:`BLOCK_MODULE_PATTERN`, or an item of an
+    ``nn.ModuleList`` / ``nn.Sequential`` whose items are all of one class and each hold submodules — the repeated
+    layers of transformers (``model.layers.i``, ``transformer.h.i``, ``encoder.layer.i``), of timm and diffusers, and
+    of reference MMDiT code (``double_blocks.i``, ``single_blocks.i``). A plain MLP has none.
+    """
+    is_block = _block_predicate(blocks)
+    found: dict[str, nn.Module] = {}
+    for name, sub in module.named_modules():
+        if name and is_block(name, sub) and not any(name.startswith(outer + ".") for outer in found):
+            found[name] = sub
+    return found
+
+
+def block_modules(module: nn.Module, blocks: Blocks = None) -> list[nn.Module]:
+    """The transformer blocks of ``module`` (:func:`find_blocks`), in order."""
+    return list(find_blocks(module, blocks).values())
+
+
+def _block_predicate(blocks: Blocks) -> Callable[[str, nn.Module], bool]:
+    if blocks is None:
+        repeated = set()
+
+        def is_block(name: str, sub: nn.Module) -> bool:
+            if isinstance(sub, (nn.ModuleList, nn.Sequential)) and _repeats_one_composite(sub):
+                repeated.update(f"{name}.{child}" if name else child for child, _ in sub.named_children())
+            return name in repeated or re.search(BLOCK_MODULE_PATTERN, name) is not None
+
+        return is_block
+    if isinstance(blocks, str):
+        try:
+            pattern = re.compile(blocks)
+        except re.error as err:
+            raise ValueError(f"blocks={blocks!r} is not a valid regular expression: {err}.") from err
+        return lambda name, sub: pattern.search(name) is not None
+    if callable(blocks) and not isinstance(blocks, type):
+        return blocks
+    kinds = [blocks] if isinstance(blocks, type) else list(blocks)
+    if not kinds or not all(isinstance(k, str) or (isinstance(k, type) and issubclass(k, nn.Module)) for k in kinds):
+        raise ValueError(
+            f"blocks must be a regular expression, module classes or class names, or a predicate; got {blocks!r}."
+        )
+    names = {k for k in kinds if isinstance(k, str)}
+    classes = tuple(k for k in kinds if isinstance(k, type))
+    return lambda name, sub: isinstance(sub, classes) or type(sub).__name__ in names
+
+
+def _repeats_one_composite(container: nn.Module) -> bool:
+    """Items all of one class, each holding submodules with parameters (a block, not a list of plain layers)."""
+    items = list(container.children())
+    return (
+        bool(items)
+        and len({type(item) for item in items}) == 1
+        and all(any(True for child in item.children() if any(True for _ in child.parameters())) for item in items)
+    )
 
 
 DtypeName = Literal["bfloat16", "float16", "float32"]
@@ -79,6 +142,7 @@ def shard_transformer(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
+    blocks: Blocks = None,
 ) -> nn.Module:
     """Apply ``fully_shard`` to every transformer block (its conditioning embedder first, as a unit of its own), then
     to each direct child that still holds parameters.
@@ -91,33 +155,43 @@ def shard_transformer(
         mesh: 1-D data-parallel mesh, or 2-D (replicate, shard) for HSDP.
         mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy`` (e.g. bf16 params, fp32 reduce).
         reshard_after_forward: free gathered block parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+        blocks: what a block is (:data:`Blocks`; ``None``: found by :func:`find_blocks`).
     """
     from torch.distributed.fsdp import fully_shard
 
     kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
-    blocks = block_modules(module)
-    if not blocks:
+    frozen = _frozen_children(module)
+    found = [b for name, b in find_blocks(module, blocks).items() if name.partition(".")[0] not in frozen]
+    if not found:
         raise ValueError(
-            f"No transformer blocks (modules named like {BLOCK_MODULE_PATTERN!r}) in "
-            f"{type(module).__name__}; shard it yourself in configure_model()."
+            f"No transformer blocks in {type(module).__name__} (blocks={blocks!r}; by default the items of a "
+            "ModuleList/Sequential that repeat one class of layer, or modules named like "
+            f"{BLOCK_MODULE_PATTERN!r}). Say what a block is with blocks= (a class, a class name, a name pattern), "
+            "or shard the model yourself in configure_model()."
         )
-    for block in blocks:
+    for block in found:
         for name, sub in block.named_modules():
             if re.search(EMBEDDER_MODULE_PATTERN, name):
                 fully_shard(sub, **kwargs)
         fully_shard(block, **kwargs)
-    for child in module.children():
-        if _is_frozen(child):
+    for name, child in module.named_children():
+        if name in frozen:
             continue  # a frozen encoder stays replicated: no FSDP unit, no hooks that decode()/encode() would skip
         if any(not isinstance(p, DTensor) for p in child.parameters()):
             fully_shard(child, **kwargs)
     return module
 
 
-def _is_frozen(module: nn.Module) -> bool:
-    """No parameter trains and no transformer block inside (an EMA copy has blocks and is sharded like the model)."""
-    params = list(module.parameters())
-    return bool(params) and not block_modules(module) and not any(p.requires_grad for p in params)
+def _frozen_children(module: nn.Module) -> set[str]:
+    """Children none of whose parameters trains, unless of the class of a child that trains (an EMA copy of the
+    model trains none, and is sharded like the model)."""
+    trains = {name: any(p.requires_grad for p in c.parameters()) for name, c in module.named_children()}
+    trained = {type(c) for name, c in module.named_children() if trains[name]}
+    return {
+        name
+        for name, c in module.named_children()
+        if not trains[name] and type(c) not in trained and any(True for _ in c.parameters())
+    }
 
 
 def default_mp_policy(precision: str | None) -> MixedPrecisionPolicy:

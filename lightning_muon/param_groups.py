@@ -1,4 +1,4 @@
-"""Split a DiT's parameters into Muon (2-D hidden weights) and AdamW (everything else) groups."""
+"""Split a model's parameters into Muon (the hidden matrices) and AdamW (everything else) groups."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import Any
 
 from torch import nn
 
-from lightning_muon.parallelize import BLOCK_PARAM_PATTERN
+from lightning_muon.optim.matrices import MatrixLayout
+from lightning_muon.parallelize import Blocks, find_blocks
 
 __all__ = [
     "EMBEDDER_PATTERN",
     "LAYER_TYPES",
+    "SELECT_RULES",
     "check_param_coverage",
     "describe_param_groups",
     "muon_param_groups",
@@ -28,15 +30,59 @@ LAYER_TYPES = {
 EMBEDDER_PATTERN = r"(^|\.)(emb|embedder|embedding|embeddings|[a-z_]*_embedder|[a-z_]*_embedding)\."
 
 
-def _default_use_muon(name: str, module: nn.Module, param: nn.Parameter) -> bool:
-    """Muon for the weight of an ``nn.Linear`` inside a transformer block that is not a conditioning embedder."""
-    return (
-        isinstance(module, nn.Linear)
-        and name.endswith(".weight")
-        and param.ndim == 2
-        and re.search(BLOCK_PARAM_PATTERN, name) is not None
-        and re.search(EMBEDDER_PATTERN, name) is None
-    )
+#: ``select`` rules of :func:`muon_param_groups`
+SELECT_RULES = ("blocks", "hidden")
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a linear layer storing its weight as (in, out); found by name, so this
+    package never imports transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _matrix_of(name: str, module: nn.Module, param: nn.Parameter) -> MatrixLayout | None:
+    """The layout of a linear layer's weight (``nn.Linear``, transformers ``Conv1D``) or of 3-D expert weights
+    (E, out, in) held by a module that is no convolution; None for anything else."""
+    weight = name.rpartition(".")[2] == "weight" and param.ndim == 2
+    if weight and isinstance(module, nn.Linear):
+        return MatrixLayout()
+    if weight and _is_conv1d(module):
+        return MatrixLayout(transposed=True)
+    if param.ndim == 3 and not isinstance(module, nn.modules.conv._ConvNd):
+        return MatrixLayout()
+    return None
+
+
+def _matrices(model: nn.Module, select: str, blocks: Blocks) -> tuple[dict[str, MatrixLayout], set[str]]:
+    """Every matrix of the model with its layout, and the Muon matrices by the ``select`` rule: linear and expert
+    weights inside blocks, or every hidden one (not the first nor the last linear layer of the model); conditioning
+    embedders never."""
+    if select not in SELECT_RULES:
+        raise ValueError(f"select must be one of {SELECT_RULES}, got {select!r}.")
+    modules = dict(model.named_modules())
+    layouts = {}
+    for name, param in model.named_parameters():
+        layout = _matrix_of(name, modules[name.rpartition(".")[0]], param)
+        if layout is not None:
+            layouts[name] = layout
+    if select == "hidden":
+        linear = [n for n, p in model.named_parameters() if n in layouts and p.ndim == 2]
+        chosen = set(layouts) - set(linear[:1] + linear[-1:])  # the input and output layers stay on AdamW
+    else:
+        inside = tuple(f"{b}." for b in find_blocks(model, blocks))
+        chosen = {n for n in layouts if n.startswith(inside)}
+    return layouts, {n for n in chosen if re.search(EMBEDDER_PATTERN, n) is None}
+
+
+def _compile(patterns: Mapping[str, object] | Sequence[tuple[str, object]], what: str) -> list[tuple[re.Pattern, object]]:
+    items = list(patterns.items() if isinstance(patterns, Mapping) else patterns)
+    compiled = []
+    for pattern, value in items:
+        try:
+            compiled.append((re.compile(LAYER_TYPES.get(pattern, pattern)), value))
+        except re.error as err:
+            raise ValueError(f"Invalid {what} pattern {pattern!r}: {err}.") from err
+    return compiled
 
 
 def muon_param_groups(
@@ -45,13 +91,19 @@ def muon_param_groups(
     muon: Mapping[str, Any] | None = None,
     adamw: Mapping[str, Any] | None = None,
     overrides: Sequence[tuple[str, Mapping[str, Any]]] | Mapping[str, Mapping[str, Any]] = (),
+    blocks: Blocks = None,
+    select: str = "blocks",
+    pieces: Mapping[str, int] | None = None,
+    require_muon: bool = True,
 ) -> list[dict[str, Any]]:
-    """Param groups for :class:`~lightning_muon.PeriodicRowwiseMuon` with named parameters.
+    r"""Param groups for :class:`~lightning_muon.PeriodicRowwiseMuon` with named parameters.
 
-    By default, the weight of every ``nn.Linear`` inside a transformer block (attention, feed-forward, adaLN
-    modulation) goes to Muon; everything else (patch/position embeddings, timestep/class/caption embedders — also
-    those diffusers nests in each block as ``norm1.emb`` —, the final modulation and output projection, biases, norm
-    weights, PixArt's ``scale_shift_table``) goes to AdamW.
+    The rule (``select="blocks"``): the weight of every linear layer inside a transformer block — ``nn.Linear``,
+    transformers' ``Conv1D`` (its (in, out) storage handled: ``transposed``), 3-D expert weights (E, out, in) — goes
+    to Muon; everything else (patch/position/token embeddings, timestep/class/caption embedders — also those
+    diffusers nests in each block as ``norm1.emb`` —, the final modulation and output head, biases, norm weights,
+    PixArt's ``scale_shift_table``) goes to AdamW. ``select="hidden"``: every linear layer's weight but the model's
+    first and last (for networks without blocks, e.g. an MLP).
 
     Args:
         model: the network.
@@ -63,28 +115,31 @@ def muon_param_groups(
             ``options`` may set ``use_muon`` to move parameters between branches and any option of that branch, e.g.
             layer-wise ``period`` / ``rownorm_scale`` / ``schedule``. A parameter matched by two patterns, or a
             pattern that matches nothing, is an error.
+        blocks: what a transformer block is (:data:`~lightning_muon.parallelize.Blocks`: a name pattern, classes or
+            class names, a predicate; ``None``: the repeated layers :func:`~lightning_muon.parallelize.find_blocks`
+            finds).
+        select: ``"blocks"`` or ``"hidden"`` (above).
+        pieces: ``{regex: P}``: Muon weights whose output dimension stacks P equal matrices, each orthogonalized and
+            row-normalized on its own — a fused QKV projection (``{r"\.c_attn\.": 3}``; per head: 3·heads).
+        require_muon: raise when no parameter goes to Muon (``False``: an all-AdamW grouping is what you want).
 
     Returns:
-        Groups of parameters with identical options, each with ``params``, ``param_names`` and ``use_muon``.
+        Groups of parameters with identical options, each with ``params``, ``param_names`` and ``use_muon`` (and
+        ``transposed`` / ``pieces`` where a matrix's layout is not ``nn.Linear``'s).
+
+    Raises:
+        ValueError: no Muon parameter (with ``require_muon``), a pattern that matches nothing or a parameter matched
+            twice, a weight that cannot be cut into its ``pieces``.
     """
-    override_items = list(overrides.items() if isinstance(overrides, Mapping) else overrides)
-    compiled = []
-    for pattern, options in override_items:
-        try:
-            compiled.append((re.compile(LAYER_TYPES.get(pattern, pattern)), dict(options), pattern in LAYER_TYPES))
-        except re.error as err:
-            raise ValueError(f"Invalid override pattern {pattern!r}: {err}.") from err
-    hits = {regex.pattern: 0 for regex, _, _ in compiled}
-    modules = dict(model.named_modules())
+    layouts, candidates = _matrices(model, select, blocks)
+    compiled = [(r, dict(o), r.pattern in LAYER_TYPES.values()) for r, o in _compile(overrides, "override")]
+    split = _compile(pieces or {}, "pieces")
+    hits = {regex.pattern: 0 for regex, *_ in compiled + split}
     groups: dict[tuple, dict[str, Any]] = {}
     for name, param in model.named_parameters():
-        module = modules[name.rpartition(".")[0]]
-        default = _default_use_muon(name, module, param)
-        matches = [
-            (regex, options)
-            for regex, options, matrices_only in compiled
-            if regex.search(name) and (default or not matrices_only)
-        ]
+        default = name in candidates
+        matches = [(regex, options) for regex, options, matrices_only in compiled
+                   if regex.search(name) and (default or not matrices_only)]  # fmt: skip
         if len(matches) > 1:
             raise ValueError(
                 f"Parameter {name!r} matches several override patterns {[r.pattern for r, _ in matches]}; "
@@ -94,8 +149,10 @@ def muon_param_groups(
         if matches:
             hits[matches[0][0].pattern] += 1
         use_muon = options.pop("use_muon", default)
-        if use_muon and param.ndim != 2:
+        if use_muon and param.ndim not in (2, 3):
             raise ValueError(f"Override sends {name!r} with shape {tuple(param.shape)} to Muon, which needs 2-D.")
+        if use_muon:
+            options.update(_layout_options(name, param, layouts.get(name, MatrixLayout()), split, hits))
         options = {**dict((muon if use_muon else adamw) or {}), **options}
         key = (use_muon, tuple(sorted((k, repr(v)) for k, v in options.items())))
         group = groups.setdefault(key, {"params": [], "param_names": [], "use_muon": use_muon, **options})
@@ -103,8 +160,32 @@ def muon_param_groups(
         group["param_names"].append(name)
     unused = [pattern for pattern, count in hits.items() if count == 0]
     if unused:
-        raise ValueError(f"Override pattern(s) {unused} matched no parameter of {type(model).__name__}.")
+        raise ValueError(f"Pattern(s) {unused} matched no parameter of {type(model).__name__}.")
+    if require_muon and not any(key[0] for key in groups):
+        raise ValueError(
+            f"No parameter of {type(model).__name__} goes to Muon: select={select!r} found no linear layer "
+            f"{'inside a transformer block' if select == 'blocks' else 'between the first and the last'}. Say what "
+            "a block is (blocks=a class, a class name or a name pattern), take every hidden linear layer "
+            "(select='hidden'), send parameters to Muon by name (overrides={pattern: {'use_muon': True}}), or pass "
+            "require_muon=False to train with AdamW only."
+        )
     return sorted(groups.values(), key=lambda g: not g["use_muon"])
+
+
+def _layout_options(
+    name: str, param: nn.Parameter, layout: MatrixLayout, split: list[tuple[re.Pattern, object]], hits: dict
+) -> dict[str, Any]:
+    """A Muon parameter's layout options (only those that are not ``nn.Linear``'s), checked against its shape."""
+    matched = [(regex, count) for regex, count in split if regex.search(name)]
+    if len(matched) > 1:
+        raise ValueError(f"Parameter {name!r} matches several pieces patterns {[r.pattern for r, _ in matched]}.")
+    if matched:
+        hits[matched[0][0].pattern] += 1
+        layout = MatrixLayout(layout.transposed, matched[0][1])
+    problem = layout.check(tuple(param.shape))
+    if problem:
+        raise ValueError(f"Muon parameter {name!r} {tuple(param.shape)} {problem}.")
+    return ({"transposed": True} if layout.transposed else {}) | ({"pieces": layout.pieces} if layout.pieces > 1 else {})
 
 
 def check_param_coverage(model: nn.Module, param_groups: Sequence[Mapping[str, Any]]) -> None:

@@ -63,7 +63,7 @@ from lightning_muon.checkpoint import (
 from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.shards import row_shard
 from lightning_muon.optim.transport import release_gloo_workers_at_exit
-from lightning_muon.parallelize import MixedPrecision, default_mp_policy, shard_transformer
+from lightning_muon.parallelize import Blocks, MixedPrecision, default_mp_policy, shard_transformer
 
 __all__ = ["MuonFSDPStrategy"]
 
@@ -140,6 +140,9 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             Default: bf16 params with fp32 gradient reduction when the trainer precision is bf16
             (:func:`default_mp_policy`), no casting otherwise.
         reshard_after_forward: see :func:`shard_transformer`.
+        blocks: what a transformer block is, each one FSDP2 unit (:data:`~lightning_muon.parallelize.Blocks`: a
+            module name pattern, classes or class names such as ``["LlamaDecoderLayer"]``; ``None``: the repeated
+            layers :func:`~lightning_muon.parallelize.find_blocks` finds). Give ``muon_param_groups`` the same.
         save_distributed_checkpoint: write torch.distributed.checkpoint directories (resumable on any device
             count); ``False`` gathers one full checkpoint file on rank 0.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default by device.
@@ -159,6 +162,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
+        blocks: str | list[str] | None = None,
     ) -> None:
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -173,6 +177,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         self.hsdp = hsdp
         self.mp_policy = mp_policy.policy() if isinstance(mp_policy, MixedPrecision) else mp_policy
         self.reshard_after_forward = reshard_after_forward
+        self.blocks: Blocks = blocks
         self._shard_mesh: DeviceMesh | None = None
 
     @property
@@ -209,7 +214,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
             )
         if not _is_sharded(self.model):
             mp_policy = self.mp_policy or default_mp_policy(getattr(self.precision_plugin, "precision", None))
-            shard_transformer(self.model, self.shard_mesh, mp_policy, self.reshard_after_forward)
+            shard_transformer(self.model, self.shard_mesh, mp_policy, self.reshard_after_forward, self.blocks)
         # a model built on the meta device (configure_model) is materialized shard by shard, after sharding
         materialize = _has_meta_tensors(self.model)
         compat.materialize_distributed_module(self.model, self.root_device)

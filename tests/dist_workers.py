@@ -246,3 +246,63 @@ def geneval2_worker(rank, world_size, benchmark, judge, images, samples):
     if rank == 0:
         metric.update(images, samples)
     return {k: float(v) for k, v in metric.compute().items()}
+
+
+#: (stored shape, layout options) of matrices that are not nn.Linear's: Conv1D weights (in, out) — tall, wide (its
+#: RowNorm sums run over the sharded dim), square —, a fused weight in pieces, a Conv1D fused weight, experts
+LAYOUT_PARAMS = [
+    ((5, 7), {}),
+    ((6, 10), {"transposed": True}),
+    ((10, 6), {"transposed": True}),
+    ((7, 7), {"transposed": True}),
+    ((12, 4), {"pieces": 3}),
+    ((4, 12), {"transposed": True, "pieces": 3}),
+    ((3, 6, 4), {}),
+    ((2, 3, 5), {"pieces": 3}),
+]
+LAYOUT_CASES = [
+    ("gather", "fixed"),
+    ("scatter", "fixed"),
+    ("scatter", "auto"),
+    ("gather", "adaptive"),
+]
+
+
+def _layout_groups(params, schedule):
+    extra = {"rownorm_scale": "auto"} if schedule == "auto" else {}
+    extra = {"schedule": "adaptive", "drift_threshold": 0.01} if schedule == "adaptive" else extra
+    return [{"params": [p], **options, **extra} for p, (_, options) in zip(params, LAYOUT_PARAMS)]
+
+
+def layout_dense_run(mode, schedule, steps=5):
+    shapes = [s for s, _ in LAYOUT_PARAMS]
+    params = [nn.Parameter(p) for p in full_params(shapes)]
+    opt = PeriodicRowwiseMuon(_layout_groups(params, schedule), **optimizer_kwargs(3, mode, torch.float32))
+    for grads in full_grads(shapes, steps):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def layout_sharded_run(rank, world_size, steps=5):
+    """:func:`layout_dense_run` on FSDP2 shards (Shard(0) of the stored tensor) for every case: full params."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    shapes = [s for s, _ in LAYOUT_PARAMS]
+    results = []
+    for mode, schedule in LAYOUT_CASES:
+        module = nn.Module()
+        module.weights = nn.ParameterList([nn.Parameter(p) for p in full_params(shapes)])
+        fully_shard(module, mesh=mesh)
+        params = list(module.weights)
+        opt = PeriodicRowwiseMuon(_layout_groups(params, schedule), **optimizer_kwargs(3, mode, torch.float32))
+        for grads in full_grads(shapes, steps):
+            for p, g in zip(params, grads):
+                p.grad = distribute_tensor(g, mesh, [Shard(0)])
+            opt.step()
+        results.append([p.full_tensor() for p in params])
+    return results

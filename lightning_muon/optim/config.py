@@ -23,6 +23,7 @@ from lightning_muon.optim.kernels import (
     default_ns_dtype,
     make_orthogonalizer,
 )
+from lightning_muon.optim.matrices import MatrixLayout
 from lightning_muon.optim.shards import local
 
 __all__ = [
@@ -40,6 +41,9 @@ NONFINITE_MODES = ("skip", "raise", "ignore")
 SCHEDULES = ("fixed", "adaptive")
 #: per-matrix state whose shape is not the parameter's (the others, moments and buffers, are shaped like it)
 STATE_SHAPES = {"refresh_scales": (2,)}
+#: per-parameter facts of a Muon group, not hyperparameters (:class:`~lightning_muon.optim.matrices.MatrixLayout`):
+#: :func:`~lightning_muon.muon_param_groups` sets them from the layer (transformers ``Conv1D``, fused projections)
+LAYOUT_DEFAULTS = {"transposed": False, "pieces": 1}
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -206,6 +210,7 @@ def prepare_group(group: dict[str, Any], defaults_of: dict[bool, dict[str, Any]]
     if use_muon not in (True, False):
         raise ValueError(f"use_muon must be True or False, got {use_muon!r}.")
     allowed = {"params", "param_names", "use_muon", "step", "momentum", *defaults_of[use_muon]}
+    allowed |= set(LAYOUT_DEFAULTS) if use_muon else set()
     unknown = sorted(set(group) - allowed)
     if unknown:
         branch = "Muon" if use_muon else "AdamW"
@@ -232,16 +237,22 @@ def keys(kind: type[MuonConfig] | type[AdamWConfig]) -> tuple[str, ...]:
 
 
 def check_group(group: dict[str, Any]) -> None:
-    """Validate a param group's options (storing ``ns_dtype`` by name) and, for Muon, that every parameter is 2-D."""
+    """Validate a param group's options (storing ``ns_dtype`` by name) and, for Muon, that every parameter is a
+    matrix (2-D, or 3-D experts) that fits the group's :class:`~lightning_muon.optim.matrices.MatrixLayout`."""
     config = config_of(group)
     if isinstance(config, MuonConfig):
         group["ns_dtype"] = config.ns_dtype
+        if not isinstance(group["transposed"], bool):
+            raise ValueError(f"transposed must be True or False, got {group['transposed']!r}.")
+        layout = MatrixLayout.of(group)
         for i, p in enumerate(group["params"]):
-            if p.ndim != 2:
+            problem = None if p.ndim in (2, 3) else f"is not a 2-D matrix ({p.ndim}-D)"
+            problem = problem or layout.check(tuple(p.shape))
+            if problem:
                 raise ValueError(
-                    f"{param_name(group, i)} is in a Muon group but is not a 2-D matrix. Put biases, norms, "
-                    "embeddings and convolutions in an AdamW group (use_muon=False), e.g. with "
-                    "lightning_muon.muon_param_groups."
+                    f"{param_name(group, i)} is in a Muon group but {problem}. Muon takes 2-D weights (and 3-D "
+                    "expert weights (E, out, in)); put biases, norms, embeddings and convolutions in an AdamW group "
+                    "(use_muon=False), e.g. with lightning_muon.muon_param_groups."
                 )
 
 
@@ -253,6 +264,8 @@ def fill_group_defaults(group: dict[str, Any]) -> None:
         for f in fields(MuonConfig):
             if f.name not in MuonConfig.REQUIRED:
                 group.setdefault(f.name, f.default)
+        for key, value in LAYOUT_DEFAULTS.items():
+            group.setdefault(key, value)
     elif isinstance(group.get("betas"), (tuple, list)) and group["betas"]:
         group.setdefault("momentum", group["betas"][0])
 

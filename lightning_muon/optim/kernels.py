@@ -348,7 +348,7 @@ def refresh_scales(N: Tensor, U: Tensor, eps: float = 1e-7) -> Tensor:
     n, u = N.float(), U.float()
     rows = torch.linalg.vector_norm(n, dim=row_norm_dim(n.shape)).sum()
     descent = torch.dot(n.reshape(-1), u.reshape(-1)) / rows.clamp_min(eps)
-    rms = torch.linalg.vector_norm(u) / math.sqrt(min(n.shape))
+    rms = torch.linalg.vector_norm(u) / math.sqrt(math.prod(n.shape[:-2]) * min(n.shape[-2:]))
     return torch.stack([descent, rms])
 
 

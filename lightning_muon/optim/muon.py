@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.optim.adamw import adamw_step, init_adamw_state
 from lightning_muon.optim.config import (
+    LAYOUT_DEFAULTS,
     branch_defaults,
     check_group,
     check_layout,
@@ -36,10 +37,10 @@ from lightning_muon.optim.kernels import (
     DEFAULT_NS_COEFFICIENTS,
     Coefficients,
     compiled_rownorm_kernels,
-    row_norm_dim,
     rownorm_update_,
     shape_factor,
 )
+from lightning_muon.optim.matrices import MatrixLayout
 from lightning_muon.optim.nonfinite import NonFiniteGradient, culprit, flags_ok, local_flag
 from lightning_muon.optim.refresh import RefreshItem, local_refresh, refresh_scales_of, rownorm_gamma, write_refresh
 from lightning_muon.optim.schedules import HOST_STATE, AdaptiveSchedule, FixedSchedule, refresh_counts
@@ -55,6 +56,7 @@ class _RowNorm:
     oriented rows span ranks) and, under a drift-measuring schedule, the drift's sums and the drift."""
 
     index: int
+    dim: int  # the stored axis its sums run over
     split: bool
     crosses_ranks: bool  # some of its sums are partial over ranks
     sumsq: Tensor | None = None
@@ -207,9 +209,19 @@ class PeriodicRowwiseMuon(Optimizer):
         """
         check_layout(state_dict, self.param_groups)
         self._schedules["adaptive"].forget()
-        for g, (saved, group) in enumerate(zip(state_dict["param_groups"], self.param_groups)):
-            check_saved_group(g, {**saved, "params": group["params"]})
+        # which matrices a parameter holds is the model's fact, not a saved hyperparameter (older states lack it)
+        layouts = [{key: group[key] for key in LAYOUT_DEFAULTS if key in group} for group in self.param_groups]
+        for g, (saved, group, layout) in enumerate(zip(state_dict["param_groups"], self.param_groups, layouts)):
+            changed = {key for key, value in layout.items() if saved.get(key, value) != value}
+            if changed:
+                raise ValueError(
+                    f"Param group {g} was saved with {({k: saved[k] for k in sorted(changed)})}, this one has "
+                    f"{({k: layout[k] for k in sorted(changed)})}: the checkpoint belongs to another parameter grouping."
+                )
+            check_saved_group(g, {**saved, "params": group["params"], **layout})
         super().load_state_dict(state_dict)
+        for group, layout in zip(self.param_groups, layouts):
+            group.update(layout)
         for state in self.state.values():  # torch moves loaded state to the parameter's device; these stay on the host
             state.update({key: state[key].cpu() for key in HOST_STATE if key in state})
         for group in self.param_groups:
@@ -293,10 +305,12 @@ class PeriodicRowwiseMuon(Optimizer):
         if schedule is not None and work.params:
             due = schedule.plan(group, work.states)
             work.refresh = [i for i, d in enumerate(due) if d]
+            layout = MatrixLayout.of(group)
             for i in (i for i, d in enumerate(due) if not d):
                 shard = work.shards[i]
-                split = row_norm_dim(shard.shape) == -2 and shard.sharded
-                work.rownorm.append(_RowNorm(i, split, split or (schedule.measures_drift and shard.sharded)))
+                dim = layout.reduce_dim(shard.shape)
+                split = dim == -len(shard.shape) and shard.sharded  # it sums over dim 0, the sharded one
+                work.rownorm.append(_RowNorm(i, dim, split, split or (schedule.measures_drift and shard.sharded)))
         return work
 
     def _statistics(self, works: list[_Work], flag_rides_refresh: bool) -> tuple[Tensor | None, Tensor | None]:
@@ -330,16 +344,16 @@ class PeriodicRowwiseMuon(Optimizer):
             flag = pending.wait() if checking else None
         for w, r in matrices:
             if r.drift_sums:
-                r.drift = w.schedule.drift(r.drift_sums, r.sumsq, w.shards[r.index].shape)
+                r.drift = w.schedule.drift(r.drift_sums, r.sumsq, MatrixLayout.of(w.group).rows(w.shards[r.index].shape))
         if group is None or reduce:
             return (flags_ok(flag) if checking else None), None
         return None, flag
 
     def _measure(self, work: _Work, r: _RowNorm) -> None:
         """Read-only: Σ N² along the matrix's reduction axis (and its schedule's sums) from the old momentum."""
-        buf, dim = local(work.states[r.index]["momentum_buffer"]), row_norm_dim(work.shards[r.index].shape)
+        buf = local(work.states[r.index]["momentum_buffer"])
         r.sumsq, r.drift_sums = work.schedule.statistics(
-            work.group, work.states[r.index], buf, work.grads[r.index], dim, self.fused
+            work.group, work.states[r.index], buf, work.grads[r.index], r.dim, self.fused
         )
 
     def _sharded_refresh(
@@ -370,13 +384,14 @@ class PeriodicRowwiseMuon(Optimizer):
         group = work.group
         ortho = orthogonalizer(group, work.weights[0].device)
         measured = self.measure_scales or isinstance(group["rownorm_scale"], str)
+        layout = MatrixLayout.of(group)
         items = []
         for i in work.refresh:
             decay, scale = _scales(group, work.shards[i].shape)
             buf, state = local(work.states[i]["momentum_buffer"]), work.states[i]
             scales = refresh_scales_of(state, work.weights[i]) if measured else None
             items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
-                                     group["nesterov"], decay, scale, ortho, scales))  # fmt: skip
+                                     group["nesterov"], decay, scale, ortho, scales, layout))  # fmt: skip
         return items
 
     def _rownorm(self, work: _Work, ok: Tensor | None) -> None:
@@ -395,7 +410,7 @@ def _named_grads(works: list[_Work]) -> list[tuple[str, Tensor]]:
     return [(param_name(w.group, i), g) for w in works for i, g in zip(w.indices, w.grads)]
 
 
-def _scales(group: dict[str, Any], shape: tuple[int, int]) -> tuple[float | Tensor, float | Tensor]:
-    """``(decay, -lr·s(m,n))`` of a matrix: floats, or 0-d tensors with a tensor lr."""
+def _scales(group: dict[str, Any], shape: tuple[int, ...]) -> tuple[float | Tensor, float | Tensor]:
+    """``(decay, -lr·s(m,n))`` of a parameter, s of its logical matrices: floats, or 0-d tensors with a tensor lr."""
     lr = group["lr"]
-    return 1 - lr * group["weight_decay"], -lr * shape_factor(shape, group["adjust_lr"])
+    return 1 - lr * group["weight_decay"], -lr * shape_factor(MatrixLayout.of(group).matrix_shape(shape), group["adjust_lr"])

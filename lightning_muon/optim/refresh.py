@@ -23,6 +23,7 @@ from lightning_muon.optim.kernels import (
     refresh_scales,
     scale_,
 )
+from lightning_muon.optim.matrices import MatrixLayout
 from lightning_muon.optim.shards import RowShard, bucket_indices
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "buckets",
     "local_refresh",
     "measure",
+    "orthogonalize_items",
     "refresh_scales_of",
     "rownorm_gamma",
     "write_refresh",
@@ -50,6 +52,7 @@ class RefreshItem:
     scale: float | Tensor
     ortho: Orthogonalizer  # matrices with equal orthogonalizers and shapes are batched
     scales: Tensor | None = None  # where this refresh's γ candidates go (refresh_scales), None: not measured
+    layout: MatrixLayout = MatrixLayout()  # the logical matrices the parameter holds
 
     @property
     def dtype(self) -> torch.dtype:
@@ -57,7 +60,8 @@ class RefreshItem:
 
     @property
     def flops(self) -> int:
-        return self.ortho.flops(self.shard.shape)
+        shape = self.shard.shape
+        return self.layout.count(shape) * self.ortho.flops(self.layout.matrix_shape(shape))
 
     def lookahead(self) -> tuple[Tensor, Tensor]:
         """``(M_t, N_t)`` out of place, op for op as torch.optim.Muon; nothing is written."""
@@ -122,10 +126,31 @@ def write_refresh(
             torch._foreach_add_(weights, [orthos[j] for j in index], alpha=scale)
 
 
+def orthogonalize_items(items: Sequence[RefreshItem], fulls: Sequence[Tensor]) -> list[Tensor]:
+    """NS5 of each item's full look-ahead, one logical matrix at a time (experts, pieces, a stored transpose:
+    :class:`~lightning_muon.optim.matrices.MatrixLayout`), same-shape matrices batched across items; the results have
+    the stored shapes."""
+    matrices = [it.layout.matrices(x) for it, x in zip(items, fulls)]
+    flat = orthogonalize_batched(
+        [m for ms in matrices for m in ms.unbind(0)], [it.ortho for it, ms in zip(items, matrices) for _ in ms]
+    )
+    out, start = [], 0
+    for it, ms, x in zip(items, matrices, fulls):
+        pieces = flat[start : start + len(ms)]
+        start += len(ms)
+        if len(pieces) == 1 and not it.layout.transposed:
+            out.append(pieces[0].view(x.shape))  # the plain matrix: no copy
+        else:
+            out.append(it.layout.restore(torch.stack(pieces), x.shape))
+    return out
+
+
 def measure(items: Sequence[RefreshItem], ns: Sequence[Tensor], orthos: Sequence[Tensor]) -> list[Tensor | None]:
     """:func:`refresh_scales` of the full matrices whose item measures them (N in the NS dtype, as it travels)."""
     return [
-        refresh_scales(n.to(it.dtype), o, it.ortho.eps) if it.scales is not None else None
+        refresh_scales(it.layout.matrices(n.to(it.dtype)), it.layout.matrices(o), it.ortho.eps)
+        if it.scales is not None
+        else None
         for it, n, o in zip(items, ns, orthos)
     ]
 
@@ -135,6 +160,6 @@ def local_refresh(items: Sequence[RefreshItem], bucket_bytes: int, ok: Tensor | 
     for index in buckets(items, bucket_bytes):
         bucket = [items[i] for i in index]
         m_news, ns = zip(*(it.lookahead() for it in bucket))
-        orthos = orthogonalize_batched(ns, [it.ortho for it in bucket])
+        orthos = orthogonalize_items(bucket, ns)
         write_refresh(bucket, m_news, orthos, ok, measure(bucket, ns, orthos))
     return sum(it.flops for it in items)

@@ -5,7 +5,7 @@ One interface (:class:`FixedSchedule`, :class:`AdaptiveSchedule`):
 - ``plan(group, states)``: per matrix, whether it refreshes this step (host values: never a device synchronization);
 - ``statistics(group, state, momentum, grad, dim)``: a RowNorm matrix's row sums of squares of the look-ahead N,
   plus the sums the schedule needs reduced across ranks with them (they ride the statistics all-reduce);
-- ``drift(sums, sumsq, shape)``: the measure those sums give once reduced;
+- ``drift(sums, sumsq, rows)``: the measure those sums give once reduced (``rows``: vectors RowNorm normalizes);
 - ``advance(group, refreshed, measured, ok)``: update the schedule's state after the step.
 
 ``measures_drift`` says whether RowNorm matrices carry the drift sums (then they cross ranks when sharded).
@@ -56,7 +56,7 @@ class FixedSchedule:
         sumsq_fn = compiled_rownorm_kernels()[0] if fused else rownorm_sumsq
         return sumsq_fn(momentum, grad, group["momentum"], group["nesterov"], dim), []
 
-    def drift(self, sums: list[Tensor], sumsq: Tensor, shape: tuple[int, int]) -> Tensor | None:
+    def drift(self, sums: list[Tensor], sumsq: Tensor, rows: int) -> Tensor | None:
         return None
 
     def advance(self, group, refreshed, measured, ok) -> None:
@@ -118,15 +118,15 @@ class AdaptiveSchedule(FixedSchedule):
         self._pending.clear()
 
     def statistics(self, group, state, momentum, grad, dim, fused):
-        """Σ N², and the drift's sums: per column N·R and R² for a tall matrix (partial over ranks), the sum of the
-        row cosines for a wide one (whole rows: they add up here)."""
+        """Σ N², and the drift's sums: per column N·R and R² when the sums run over dim 0 (partial over ranks), else
+        the sum of the row cosines (whole rows: they add up here)."""
         ref = local(state["refresh_momentum"])
         sumsq, dot, rr = drift_sums(momentum, grad, ref, group["momentum"], group["nesterov"], dim)
-        return sumsq, [dot, rr] if dim == -2 else [_cosines(dot, sumsq, rr).sum()]
+        return sumsq, [dot, rr] if dim == -momentum.ndim else [_cosines(dot, sumsq, rr).sum()]
 
-    def drift(self, sums: list[Tensor], sumsq: Tensor, shape: tuple[int, int]) -> Tensor:
+    def drift(self, sums: list[Tensor], sumsq: Tensor, rows: int) -> Tensor:
         total = _cosines(sums[0], sumsq, sums[1]).sum() if len(sums) == 2 else sums[0]
-        return 1 - total.float() / min(shape)
+        return 1 - total.float() / rows
 
     def advance(
         self,

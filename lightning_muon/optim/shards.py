@@ -6,6 +6,7 @@ FSDP2 splits a parameter's rows like ``torch.chunk``: with ``c = ceil(m / W)`` r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +20,9 @@ __all__ = ["RowShard", "assign_owners", "bucket_indices", "local", "mesh_group",
 
 @dataclass(frozen=True)
 class RowShard:
-    """How one matrix of global ``shape`` is split by rows over a process group of ``world`` ranks."""
+    """How one matrix (or stack of matrices) of global ``shape`` is split along dim 0 over ``world`` ranks."""
 
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     world: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
@@ -35,9 +36,14 @@ class RowShard:
         start = min(self.shape[0], rank * self.chunk)
         return start, min(self.shape[0], start + self.chunk)
 
+    @property
+    def row_numel(self) -> int:
+        """Elements of one index of dim 0 (a row; an expert's matrix)."""
+        return math.prod(self.shape[1:])
+
     def numel(self, rank: int) -> int:
         start, end = self.rows(rank)
-        return (end - start) * self.shape[1]
+        return (end - start) * self.row_numel
 
     @property
     def sharded(self) -> bool:
@@ -98,7 +104,7 @@ def bucket_indices(shards: Sequence[RowShard], dtypes: Sequence[torch.dtype], bu
             buckets.append(current)
             current, size = [], 0
         current.append(i)
-        size += s.world * s.chunk * s.shape[1] * dtype.itemsize
+        size += s.world * s.chunk * s.row_numel * dtype.itemsize
         if size >= bucket_bytes:
             buckets.append(current)
             current, size = [], 0

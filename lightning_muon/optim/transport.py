@@ -37,9 +37,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon import compat
-from lightning_muon.optim.kernels import orthogonalize_batched
 from lightning_muon.optim.nonfinite import NonFiniteGradient, flags_ok
-from lightning_muon.optim.refresh import RefreshItem, buckets, measure
+from lightning_muon.optim.refresh import RefreshItem, buckets, measure, orthogonalize_items
 from lightning_muon.optim.shards import assign_owners
 
 __all__ = ["CommStats", "gather_refresh", "release_gloo_workers_at_exit", "scatter_refresh", "start_all_reduce"]
@@ -153,7 +152,7 @@ def gather_refresh(
         bucket = [items[i] for i in index]
         dtype, device = bucket[0].dtype, bucket[0].weight.device
         looks = [it.lookahead() for it in bucket]
-        sizes = [it.shard.chunk * it.shard.shape[1] for it in bucket]
+        sizes = [it.shard.chunk * it.shard.row_numel for it in bucket]
         send = torch.zeros(sum(sizes) + with_flag, dtype=dtype, device=device)
         offset = 0
         for (_, n), size in zip(looks, sizes):
@@ -179,10 +178,10 @@ def gather_refresh(
         bucket = [items[i] for i in index]
         full, offset = [], 0
         for it, size in zip(bucket, sizes):
-            m, n = it.shard.shape
-            full.append(recv[:, offset : offset + size].reshape(world * it.shard.chunk, n)[:m])
+            m, *rest = it.shard.shape
+            full.append(recv[:, offset : offset + size].reshape(world * it.shard.chunk, *rest)[:m])
             offset += size
-        orthos = orthogonalize_batched(full, [it.ortho for it in bucket])
+        orthos = orthogonalize_items(bucket, full)
         rows = [o[slice(*it.shard.rows(it.shard.rank))] for it, o in zip(bucket, orthos)]
         yield bucket, m_news, rows, ok, measure(bucket, full, orthos)
         del full, orthos, recv  # no full matrix outlives its bucket
@@ -239,7 +238,7 @@ def scatter_refresh(
         full = [
             torch.cat([pieces[src][k] for src in range(world)]).view(bucket[j].shard.shape) for k, j in enumerate(mine)
         ]
-        orthos = orthogonalize_batched(full, [bucket[j].ortho for j in mine]) if full else []
+        orthos = orthogonalize_items([bucket[j] for j in mine], full) if full else []
         scales = [s for s in measure([bucket[j] for j in mine], full, orthos) if s is not None]
         if ok is not None:
             orthos = [torch.where(ok, o, 0) for o in orthos]  # finite whatever the inputs: nothing NaN travels
@@ -265,7 +264,7 @@ def scatter_refresh(
             pieces = block.split([bucket[j].shard.numel(rank) for j in js] + [_wire(block.dtype)] * len(measured))
             for j, piece in zip(js, pieces):
                 start, end = bucket[j].shard.rows(rank)
-                orthos[j] = piece.view(end - start, bucket[j].shard.shape[1])
+                orthos[j] = piece.view(end - start, *bucket[j].shard.shape[1:])
             for j, piece in zip(measured, pieces[len(js) :]):
                 scales[j] = piece.clone().view(torch.float32)  # a fresh, aligned buffer
         return bucket, back["m_news"], orthos, ok, scales

@@ -28,6 +28,8 @@ DIFFERENCES = {
     "lr as Tensor doesn't work with foreach & not capturable": "accepted: our foreach path takes a tensor lr",
     r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True": "accepted: tensor betas are "
     "read as Python numbers once per step",
+    "only support 2D parameters": "accepted: a 3-D weight is E expert matrices (E, out, in), one NS5 and one RowNorm "
+    "per expert (lightning_muon.optim.matrices.MatrixLayout)",
 }
 SHAPES = [(8, 4), (4, 8), (6, 6), (8, 4), (0, 5)]  # a repeated shape (batched NS) and an empty matrix
 
