@@ -65,7 +65,9 @@ class Record(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if not self.path:
             return
-        params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in pl_module.named_parameters()}
+        params = {
+            n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in pl_module.named_parameters()
+        }
         if trainer.global_rank == 0:
             Path(self.path).write_text(json.dumps(self.rows))
             torch.save(params, Path(self.path).with_suffix(".pt"))

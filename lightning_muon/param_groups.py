@@ -74,7 +74,9 @@ def _matrices(model: nn.Module, select: str, blocks: Blocks) -> tuple[dict[str, 
     return layouts, {n for n in chosen if re.search(EMBEDDER_PATTERN, n) is None}
 
 
-def _compile(patterns: Mapping[str, object] | Sequence[tuple[str, object]], what: str) -> list[tuple[re.Pattern, object]]:
+def _compile(
+    patterns: Mapping[str, object] | Sequence[tuple[str, object]], what: str
+) -> list[tuple[re.Pattern, object]]:
     items = list(patterns.items() if isinstance(patterns, Mapping) else patterns)
     compiled = []
     for pattern, value in items:
@@ -185,7 +187,9 @@ def _layout_options(
     problem = layout.check(tuple(param.shape))
     if problem:
         raise ValueError(f"Muon parameter {name!r} {tuple(param.shape)} {problem}.")
-    return ({"transposed": True} if layout.transposed else {}) | ({"pieces": layout.pieces} if layout.pieces > 1 else {})
+    return ({"transposed": True} if layout.transposed else {}) | (
+        {"pieces": layout.pieces} if layout.pieces > 1 else {}
+    )
 
 
 def check_param_coverage(model: nn.Module, param_groups: Sequence[Mapping[str, Any]]) -> None:

@@ -212,11 +212,12 @@ class PeriodicRowwiseMuon(Optimizer):
         # which matrices a parameter holds is the model's fact, not a saved hyperparameter (older states lack it)
         layouts = [{key: group[key] for key in LAYOUT_DEFAULTS if key in group} for group in self.param_groups]
         for g, (saved, group, layout) in enumerate(zip(state_dict["param_groups"], self.param_groups, layouts)):
-            changed = {key for key, value in layout.items() if saved.get(key, value) != value}
+            changed = sorted(key for key, value in layout.items() if saved.get(key, value) != value)
             if changed:
+                was, now = {k: saved[k] for k in changed}, {k: layout[k] for k in changed}
                 raise ValueError(
-                    f"Param group {g} was saved with {({k: saved[k] for k in sorted(changed)})}, this one has "
-                    f"{({k: layout[k] for k in sorted(changed)})}: the checkpoint belongs to another parameter grouping."
+                    f"Param group {g} was saved with {was}, this one has {now}: the checkpoint belongs to another "
+                    "parameter grouping."
                 )
             check_saved_group(g, {**saved, "params": group["params"], **layout})
         super().load_state_dict(state_dict)
@@ -344,7 +345,9 @@ class PeriodicRowwiseMuon(Optimizer):
             flag = pending.wait() if checking else None
         for w, r in matrices:
             if r.drift_sums:
-                r.drift = w.schedule.drift(r.drift_sums, r.sumsq, MatrixLayout.of(w.group).rows(w.shards[r.index].shape))
+                r.drift = w.schedule.drift(
+                    r.drift_sums, r.sumsq, MatrixLayout.of(w.group).rows(w.shards[r.index].shape)
+                )
         if group is None or reduce:
             return (flags_ok(flag) if checking else None), None
         return None, flag
@@ -412,5 +415,5 @@ def _named_grads(works: list[_Work]) -> list[tuple[str, Tensor]]:
 
 def _scales(group: dict[str, Any], shape: tuple[int, ...]) -> tuple[float | Tensor, float | Tensor]:
     """``(decay, -lr·s(m,n))`` of a parameter, s of its logical matrices: floats, or 0-d tensors with a tensor lr."""
-    lr = group["lr"]
-    return 1 - lr * group["weight_decay"], -lr * shape_factor(MatrixLayout.of(group).matrix_shape(shape), group["adjust_lr"])
+    lr, matrix = group["lr"], MatrixLayout.of(group).matrix_shape(shape)
+    return 1 - lr * group["weight_decay"], -lr * shape_factor(matrix, group["adjust_lr"])
