@@ -76,7 +76,8 @@ class Record(Callback):
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--max-steps", type=int, default=20, help="-1: until --max-epochs")
+    parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=4, help="per device")
     parser.add_argument("--blocks", nargs="*", default=None, help="block class names (default: found)")
     parser.add_argument("--root", default="llama_logs")
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         accelerator="cpu",
         devices=args.devices,
         max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
         default_root_dir=args.root,
         logger=False,
         enable_progress_bar=False,

@@ -11,7 +11,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read once, when torch loads the OpenMP runtime
 
 from lightning_muon.optim import PeriodicRowwiseMuon, newton_schulz, row_norm, shape_factor
-from lightning_muon.parallelize import shard_transformer
+from lightning_muon.parallelize import find_blocks, shard_transformer
 from lightning_muon.param_groups import check_param_coverage, describe_param_groups, muon_param_groups
 from lightning_muon.strategy import MuonFSDPStrategy  # registers strategy="muon_fsdp"
 
@@ -22,6 +22,7 @@ __all__ = [
     "PeriodicRowwiseMuon",
     "check_param_coverage",
     "describe_param_groups",
+    "find_blocks",
     "muon_param_groups",
     "newton_schulz",
     "row_norm",

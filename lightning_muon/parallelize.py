@@ -35,9 +35,9 @@ BLOCK_MODULE_PATTERN = _BLOCK + "$"
 BLOCK_PARAM_PATTERN = _BLOCK + r"\."
 
 #: What a transformer block is, one definition for the parameter grouping, the FSDP2 plan and the memory estimate:
-#: ``None`` (found: :func:`find_blocks`), a regular expression matched with :func:`re.search` against module names
-#: (``r"layers\.\d+$"``), module classes or class names (``[LlamaDecoderLayer]``, ``["GPT2Block"]``, as Lightning's
-#: ``auto_wrap_policy={Block}``), or a predicate ``(name, module) -> bool``.
+#: ``None`` (found: :func:`find_blocks`), a class name or a regular expression matched with :func:`re.search` against
+#: module names (``"GPT2Block"``, ``r"layers\.\d+$"``), module classes or class names (``[LlamaDecoderLayer]``, as
+#: Lightning's ``auto_wrap_policy={Block}``), or a predicate ``(name, module) -> bool``.
 Blocks = str | Sequence[type[nn.Module] | str] | Callable[[str, nn.Module], bool] | None
 
 
@@ -84,7 +84,7 @@ def _block_predicate(blocks: Blocks) -> Callable[[str, nn.Module], bool]:
             pattern = re.compile(blocks)
         except re.error as err:
             raise ValueError(f"blocks={blocks!r} is not a valid regular expression: {err}.") from err
-        return lambda name, sub: pattern.search(name) is not None
+        return lambda name, sub: blocks in _class_names(sub) or pattern.search(name) is not None
     if callable(blocks) and not isinstance(blocks, type):
         return blocks
     kinds = [blocks] if isinstance(blocks, type) else list(blocks)
@@ -94,7 +94,13 @@ def _block_predicate(blocks: Blocks) -> Callable[[str, nn.Module], bool]:
         )
     names = {k for k in kinds if isinstance(k, str)}
     classes = tuple(k for k in kinds if isinstance(k, type))
-    return lambda name, sub: isinstance(sub, classes) or type(sub).__name__ in names
+    return lambda name, sub: isinstance(sub, classes) or not names.isdisjoint(_class_names(sub))
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    """Names of the module's classes: ``fully_shard`` swaps a block's class for a subclass (``FSDPLlamaDecoderLayer``),
+    and a block named by its class must stay one after sharding."""
+    return {c.__name__ for c in type(module).__mro__}
 
 
 def _repeats_one_composite(container: nn.Module) -> bool:
