@@ -1,5 +1,5 @@
 """Optimizer-step time on DiT block matrices: AdamW, torch.optim.Muon, PeriodicRowwiseMuon K=1 and K=3 (fixed and
-auto γ).
+auto γ), and the fused qkv orthogonalized per projection (pieces=3) or per head (pieces=3·heads, 64-wide heads).
 
 Implementations run round-robin in one process (one step each per round) so machine noise hits all of them alike.
 Periodic times are averaged over whole periods. Prints a table with ratios and writes JSON.
@@ -39,9 +39,17 @@ def make_params(shapes: list[tuple[int, int]], seed: int = 0) -> list[torch.nn.P
     return params
 
 
+def qkv_pieces(shapes: list[tuple[int, int]], pieces: int) -> list[dict]:
+    """Param groups with every fused qkv weight (3h, h) cut into ``pieces`` matrices (MatrixLayout), the rest whole."""
+    params = make_params(shapes)
+    fused = [p for p in params if p.shape[0] == 3 * p.shape[1]]
+    return [{"params": fused, "pieces": pieces}, {"params": [p for p in params if all(p is not f for f in fused)]}]
+
+
 def optimizers(shapes, ns_dtype: torch.dtype) -> dict[str, tuple[torch.optim.Optimizer, int]]:
     """name -> (optimizer, steps per timed unit)."""
     kw = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
+    heads = 3 * max(1, shapes[0][1] // 64)
     return {
         "adamw (torch, foreach)": (torch.optim.AdamW(make_params(shapes), lr=1e-3, weight_decay=0.01, foreach=True), 1),
         "torch.optim.Muon (bf16)": (torch.optim.Muon(make_params(shapes), **kw), 1),
@@ -51,6 +59,9 @@ def optimizers(shapes, ns_dtype: torch.dtype) -> dict[str, tuple[torch.optim.Opt
             PeriodicRowwiseMuon(make_params(shapes), period=3, rownorm_scale="auto", ns_dtype=ns_dtype, **kw),
             3,
         ),
+        "periodic K=1 qkv/proj": (PeriodicRowwiseMuon(qkv_pieces(shapes, 3), period=1, ns_dtype=ns_dtype, **kw), 1),
+        "periodic K=1 qkv/head": (PeriodicRowwiseMuon(qkv_pieces(shapes, heads), period=1, ns_dtype=ns_dtype, **kw), 1),
+        "periodic K=3 qkv/head": (PeriodicRowwiseMuon(qkv_pieces(shapes, heads), period=3, ns_dtype=ns_dtype, **kw), 3),
         "periodic K=3 fused": (
             PeriodicRowwiseMuon(make_params(shapes), period=3, ns_dtype=ns_dtype, fused=True, **kw),
             3,
