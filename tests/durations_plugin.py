@@ -3,6 +3,7 @@
 ``Trainer.fit`` calls; ``benchmarks/test_durations.py`` turns the records into a table. Nothing is replaced: the
 counters wrap the real calls."""
 
+import functools
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ _counts = {"popen": 0, "spawn": 0, "fit": 0}
 def _counting(owner, name, key):
     original = getattr(owner, name)
 
+    @functools.wraps(original)  # the same signature: LightningCLI builds `fit`'s options from Trainer.fit's
     def wrapper(*args, **kwargs):
         _counts[key] += 1
         return original(*args, **kwargs)
