@@ -70,16 +70,19 @@ def _distributed_entry(rank, fn, world_size, port, out_dir, args):
 
 
 def run_distributed(fn, world_size, *args):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo on 127.0.0.1); their results.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (gloo on 127.0.0.1); their results.
 
-    ``fn`` must be importable (defined in this module or the library).
+    The ranks are forked from the test process: they start with its modules imported (a spawned rank re-imports
+    torch, Lightning and the package, most of a multi-process test's time on a 2-core machine) and run on one thread
+    (intra-op threads are set before any work). ``fn`` must be importable (defined in this module or the library).
     """
     import tempfile
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_distributed_entry, args=(fn, world_size, free_port(), out_dir, args), nprocs=world_size)
+        args = (fn, world_size, free_port(), out_dir, args)
+        mp.start_processes(_distributed_entry, args=args, nprocs=world_size, start_method="fork")
         return [torch.load(f"{out_dir}/{r}.pt", weights_only=False) for r in range(world_size)]
 
 
