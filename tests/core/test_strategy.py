@@ -88,6 +88,7 @@ def test_adaptive_schedule_resumes_from_a_distributed_checkpoint(tmp_path):
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[6:]], rel=1e-5)
 
 
+@pytest.mark.slow  # a fact about Lightning's callback, not this package's code: 27 s of launcher start-up
 def test_lightnings_ema_weight_averaging_breaks_under_muon_fsdp(runs, tmp_path):
     """Why ``lightning_muon.callbacks.EMA`` stays: Lightning 2.6's ``EMAWeightAveraging`` deep-copies the module in
     ``setup``, before the strategy shards it, so its average holds plain full tensors on every rank, and the first

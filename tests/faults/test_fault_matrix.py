@@ -141,11 +141,12 @@ def test_metrics_jsonl_keeps_one_row_per_step(tmp_path):
     ]
 
 
+@pytest.mark.slow  # 55 s on a 2-core machine; the default suite keeps the unit test of a full disk above
 @needs_mount
 def test_a_disk_filling_mid_checkpoint_loses_nothing_and_resume_is_exact(tmp_path):
     """The default fit with its checkpoint directory on a tmpfs that fills in the middle of the step-4 checkpoint:
     exit 1 with one line, step 2 intact, and rerunning with ``--ckpt_path DIR`` ends with exactly the uninterrupted
-    run's weights."""
+    run's weights (the matrix's ``full-mid-checkpoint`` row, with what is left on disk spelled out)."""
     matrix = Matrix(tmp_path)
     matrix.disk_full(1, "mid", "full mid-write", lambda r: r["checkpoint_pages"] - 8, "epoch=0-step=4.ckpt")
     (row,) = matrix.rows
