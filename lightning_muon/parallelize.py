@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "BLOCK_MODULE_PATTERN",
-    "BLOCK_PARAM_PATTERN",
     "Blocks",
     "MixedPrecision",
     "block_modules",
@@ -27,12 +26,9 @@ __all__ = [
     "shard_transformer",
 ]
 
-#: A transformer block's name: diffusers ``transformer_blocks.i`` / ``single_transformer_blocks.i``, timm ``blocks.i``.
-_BLOCK = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+"
-#: Transformer blocks named as diffusers and timm name them (found without this pattern too: :func:`find_blocks`).
-BLOCK_MODULE_PATTERN = _BLOCK + "$"
-#: Parameters inside such a block.
-BLOCK_PARAM_PATTERN = _BLOCK + r"\."
+#: Transformer blocks named as diffusers (``transformer_blocks.i``, ``single_transformer_blocks.i``) and timm
+#: (``blocks.i``) name them (found without this pattern too: :func:`find_blocks`).
+BLOCK_MODULE_PATTERN = r"(^|\.)(transformer_blocks|single_transformer_blocks|blocks)\.\d+$"
 
 #: What a transformer block is, one definition for the parameter grouping, the FSDP2 plan and the memory estimate:
 #: ``None`` (found: :func:`find_blocks`), a class name or a regular expression matched with :func:`re.search` against
