@@ -324,3 +324,16 @@ def test_a_transformers_llama_trains_under_muon_fsdp_sharded_equal_dense_and_res
     assert dense[-1]["loss"] < dense[0]["loss"]
     for n, w in weights.items():
         torch.testing.assert_close(w, dense_weights[n], rtol=1e-4, atol=1e-5)
+
+
+def test_the_cli_takes_what_a_block_is(capsys, tmp_path, monkeypatch):
+    """``--trainer.strategy.blocks`` reaches MuonFSDPStrategy as typed data (class names, never a class to import)."""
+    from lightning_muon.recipes.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--print_config", "--trainer.strategy=lightning_muon.MuonFSDPStrategy",
+            "--trainer.strategy.blocks=[LlamaDecoderLayer, GPT2Block]"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "blocks:\n      - LlamaDecoderLayer\n      - GPT2Block" in out
