@@ -51,9 +51,8 @@ def runs(tmp_path_factory):
     out = {"straight": fit(tmp, "straight", devices=2, epochs=2), "first": fit(tmp, "first", devices=2, epochs=1)}
     ckpt = tmp / "first" / "ckpt" / "last.ckpt"
     assert ckpt.is_dir() and any(ckpt.glob("*.distcp"))  # a torch.distributed.checkpoint directory
-    out["resume2"] = fit(tmp, "resume2", devices=2, epochs=2, ckpt=ckpt)
     out["resume1"] = fit(tmp, "resume1", devices=1, epochs=2, ckpt=ckpt)
-    return out
+    return {**out, "dir": tmp, "ckpt": ckpt}
 
 
 def test_fit_trains_with_periodic_schedule(runs):
@@ -64,8 +63,12 @@ def test_fit_trains_with_periodic_schedule(runs):
     assert {r["world"] for r in runs["straight"]} == {2}
 
 
-@pytest.mark.parametrize("resumed", ["resume2", "resume1"])
+# the same device count is slow-only: the default suite resumes 2 ranks on 2 with a transformers Llama
+# (tests/core/test_your_model.py) and here on another device count
+@pytest.mark.parametrize("resumed", [pytest.param("resume2", marks=pytest.mark.slow), "resume1"])
 def test_resume_continues_schedule_and_loss_curve(runs, resumed):
+    if resumed not in runs:
+        runs[resumed] = fit(runs["dir"], resumed, devices=2, epochs=2, ckpt=runs["ckpt"])
     want_schedule, want_losses = curve(runs["straight"][6:])
     got_schedule, got_losses = curve(runs[resumed])
     assert got_schedule == want_schedule  # steps 7..12, refresh at 7 and 10
@@ -99,6 +102,19 @@ def test_lightnings_ema_weight_averaging_breaks_under_muon_fsdp(runs, tmp_path):
     assert "weight_averaging.py" in proc.stderr and "got mixed torch.Tensor and DTensor" in proc.stderr
 
 
+def test_a_muon_matrix_left_unsharded_is_named_before_the_first_step():
+    """The strategy's check on the optimizer it set up (the end-to-end run through Trainer.setup is slow-only)."""
+    import torch
+
+    from lightning_muon import MuonFSDPStrategy, PeriodicRowwiseMuon
+
+    strategy = MuonFSDPStrategy()
+    strategy.optimizers = [PeriodicRowwiseMuon([("blocks.0.attn.weight", torch.nn.Parameter(torch.randn(4, 4)))])]
+    with pytest.raises(TypeError, match=r"Muon parameter blocks.0.attn.weight \(4, 4\) is not a DTensor"):
+        strategy._check_optimizers()
+
+
+@pytest.mark.slow
 def test_partially_sharded_muon_matrices_fail_clearly(tmp_path):
     proc = fit(tmp_path, "bad", devices=2, epochs=1, extra=["--partial-shard"], check=False)
     assert proc.returncode != 0 and "is not a DTensor" in proc.stderr, proc.stderr[-3000:]
