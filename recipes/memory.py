@@ -78,10 +78,12 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
     arch, net = model_cfg.get("architecture", "dit"), model_cfg["model_config"]
     with torch.device("meta"):
         model = build_transformer(arch, net)
-    groups = muon_param_groups(model)
+    strategy = trainer.get("strategy")
+    blocks = strategy.get("init_args", {}).get("blocks") if isinstance(strategy, dict) else None  # muon_fsdp's
+    groups = muon_param_groups(model, blocks=blocks)
     matrices = [p for g in groups if g["use_muon"] for p in g["params"]]
     muon, total = sum(p.numel() for p in matrices), sum(p.numel() for p in model.parameters())
-    block = max(sum(p.numel() for p in m.parameters()) for m in block_modules(model))
+    block = max(sum(p.numel() for p in m.parameters()) for m in block_modules(model, blocks))
     ema = total if model_cfg.get("ema_decay", 0.999) > 0 else 0
     states = (4 * total + 4 * total + 4 * ema + 4 * muon + 8 * (total - muon)) / gpus
     fsdp = 2 * 2 * block + 4 * block

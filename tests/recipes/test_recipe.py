@@ -470,6 +470,12 @@ def test_memory_estimate_counts_every_part_and_the_big_configs_fit_an_80gb_gpu()
         assert r["states"] + r["frozen"] + r["eval"] < r["eval peak"] < 75, r
         without_judge = {**config, "trainer": {**config["trainer"], "callbacks": []}}
         assert memory_per_gpu(without_judge)["eval peak"] == 0  # the control: no evaluation, no evaluation peak
+        strategy = {"class_path": "lightning_muon.MuonFSDPStrategy", "init_args": {"blocks": "BasicTransformerBlock"}}
+        named = {**config, "trainer": {**config["trainer"], "strategy": strategy}}
+        assert memory_per_gpu(named) == r  # the strategy's block definition: PixArt's blocks by class name
+        strategy["init_args"]["blocks"] = "NoSuchBlock"  # the control: the estimate reads it
+        with pytest.raises(ValueError, match="No parameter of PixArtTransformer2DModel goes to Muon"):
+            memory_per_gpu(named)
         config["model"]["gradient_checkpointing"] = False  # the control: without recomputation it does not fit
         assert memory_per_gpu(config)["activations"] > 50
 
