@@ -42,14 +42,14 @@ def _is_conv1d(module: nn.Module) -> bool:
 
 def _matrix_of(name: str, module: nn.Module, param: nn.Parameter) -> MatrixLayout | None:
     """The layout of a linear layer's weight (``nn.Linear``, transformers ``Conv1D``) or of 3-D expert weights
-    (E, out, in) held by a module that is no convolution; None for anything else."""
+    (E > 1, out, in) held by a module that is no convolution; None for anything else."""
     weight = name.rpartition(".")[2] == "weight" and param.ndim == 2
     if weight and isinstance(module, nn.Linear):
         return MatrixLayout()
     if weight and _is_conv1d(module):
         return MatrixLayout(transposed=True)
-    if param.ndim == 3 and not isinstance(module, nn.modules.conv._ConvNd):
-        return MatrixLayout()
+    if param.ndim == 3 and param.shape[0] > 1 and not isinstance(module, nn.modules.conv._ConvNd):
+        return MatrixLayout()  # (1, n, d) is a broadcast table (a position embedding), not experts
     return None
 
 

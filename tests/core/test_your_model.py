@@ -337,3 +337,20 @@ def test_the_cli_takes_what_a_block_is(capsys, tmp_path, monkeypatch):
         main(args)
     out = capsys.readouterr().out
     assert exit_info.value.code == 0 and "blocks:\n      - LlamaDecoderLayer\n      - GPT2Block" in out
+
+
+def test_expert_weights_go_to_muon_and_broadcast_tables_do_not():
+    """A mixture-of-experts layer storing its experts as one (E, out, in) parameter, as transformers 5 does: one
+    matrix per expert (tests/optim/test_matrices.py); a (1, n, d) table inside a block stays on AdamW."""
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = nn.Parameter(torch.randn(4, 16, 8)), nn.Parameter(torch.randn(4, 8, 8))
+            self.table = nn.Parameter(torch.zeros(1, 5, 8))
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.ModuleDict({"mlp": Experts(), "attn": nn.Linear(8, 8)}) for _ in range(2)])
+    branch = {n: g["use_muon"] for g in muon_param_groups(model) for n in g["param_names"]}
+    assert branch["layers.0.mlp.gate_up_proj"] and branch["layers.1.mlp.down_proj"] and branch["layers.0.attn.weight"]
+    assert not branch["layers.0.mlp.table"] and not branch["layers.0.attn.bias"]
