@@ -105,7 +105,7 @@ def _repeats_one_composite(container: nn.Module) -> bool:
     return (
         bool(items)
         and len({type(item) for item in items}) == 1
-        and all(any(True for child in item.children() if any(True for _ in child.parameters())) for item in items)
+        and all(any(any(True for _ in child.parameters()) for child in item.children()) for item in items)
     )
 
 

@@ -152,7 +152,10 @@ def muon_param_groups(
             hits[matches[0][0].pattern] += 1
         use_muon = options.pop("use_muon", default)
         if use_muon and param.ndim not in (2, 3):
-            raise ValueError(f"Override sends {name!r} with shape {tuple(param.shape)} to Muon, which needs 2-D.")
+            raise ValueError(
+                f"Override sends {name!r} with shape {tuple(param.shape)} to Muon, which needs 2-D weights (or 3-D "
+                "expert weights)."
+            )
         if use_muon:
             options.update(_layout_options(name, param, layouts.get(name, MatrixLayout()), split, hits))
         options = {**dict((muon if use_muon else adamw) or {}), **options}

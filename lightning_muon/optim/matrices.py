@@ -59,9 +59,7 @@ class MatrixLayout:
         return inputs if m <= n else outputs
 
     def check(self, shape: Sequence[int]) -> str | None:
-        """What is wrong with this layout for ``shape`` (None: it fits)."""
-        if len(shape) < 2:
-            return "is not a matrix (Muon needs 2-D weights, or 3-D (experts, out, in))"
+        """What is wrong with this layout for a matrix or stack of matrices of ``shape`` (None: it fits)."""
         if isinstance(self.pieces, bool) or not isinstance(self.pieces, int) or self.pieces < 1:
             return f"has pieces={self.pieces!r}; expected an integer >= 1"
         out = shape[-1] if self.transposed else shape[-2]

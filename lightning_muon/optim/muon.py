@@ -73,6 +73,7 @@ class _Work:
 
     group: dict[str, Any]
     schedule: FixedSchedule | None
+    layout: MatrixLayout  # the logical matrices of the group's parameters
     params: list[Tensor] = field(default_factory=list)
     indices: list[int] = field(default_factory=list)  # in the group
     weights: list[Tensor] = field(default_factory=list)
@@ -284,7 +285,7 @@ class PeriodicRowwiseMuon(Optimizer):
     def _plan(self, group: dict[str, Any]) -> _Work:
         """Params with gradients, their local views and state (created as zeros), and which branch each takes."""
         schedule = self._schedules[group["schedule"]] if group["use_muon"] else None
-        work = _Work(group, schedule)
+        work = _Work(group, schedule, MatrixLayout.of(group))
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -306,10 +307,9 @@ class PeriodicRowwiseMuon(Optimizer):
         if schedule is not None and work.params:
             due = schedule.plan(group, work.states)
             work.refresh = [i for i, d in enumerate(due) if d]
-            layout = MatrixLayout.of(group)
             for i in (i for i, d in enumerate(due) if not d):
                 shard = work.shards[i]
-                dim = layout.reduce_dim(shard.shape)
+                dim = work.layout.reduce_dim(shard.shape)
                 split = dim == -len(shard.shape) and shard.sharded  # it sums over dim 0, the sharded one
                 work.rownorm.append(_RowNorm(i, dim, split, split or (schedule.measures_drift and shard.sharded)))
         return work
@@ -345,9 +345,7 @@ class PeriodicRowwiseMuon(Optimizer):
             flag = pending.wait() if checking else None
         for w, r in matrices:
             if r.drift_sums:
-                r.drift = w.schedule.drift(
-                    r.drift_sums, r.sumsq, MatrixLayout.of(w.group).rows(w.shards[r.index].shape)
-                )
+                r.drift = w.schedule.drift(r.drift_sums, r.sumsq, w.layout.rows(w.shards[r.index].shape))
         if group is None or reduce:
             return (flags_ok(flag) if checking else None), None
         return None, flag
@@ -387,14 +385,13 @@ class PeriodicRowwiseMuon(Optimizer):
         group = work.group
         ortho = orthogonalizer(group, work.weights[0].device)
         measured = self.measure_scales or isinstance(group["rownorm_scale"], str)
-        layout = MatrixLayout.of(group)
         items = []
         for i in work.refresh:
-            decay, scale = _scales(group, work.shards[i].shape)
+            decay, scale = _scales(group, work.layout, work.shards[i].shape)
             buf, state = local(work.states[i]["momentum_buffer"]), work.states[i]
             scales = refresh_scales_of(state, work.weights[i]) if measured else None
             items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
-                                     group["nesterov"], decay, scale, ortho, scales, layout))  # fmt: skip
+                                     group["nesterov"], decay, scale, ortho, scales, work.layout))  # fmt: skip
         return items
 
     def _rownorm(self, work: _Work, ok: Tensor | None) -> None:
@@ -402,7 +399,7 @@ class PeriodicRowwiseMuon(Optimizer):
         update = compiled_rownorm_kernels()[1] if self.fused else rownorm_update_
         group = work.group
         for r in work.rownorm:
-            decay, scale = _scales(group, work.shards[r.index].shape)
+            decay, scale = _scales(group, work.layout, work.shards[r.index].shape)
             state, weight = work.states[r.index], work.weights[r.index]
             gamma = rownorm_gamma(group, state, weight)
             update(weight, local(state["momentum_buffer"]), work.grads[r.index], r.sumsq, group["momentum"],
@@ -413,7 +410,9 @@ def _named_grads(works: list[_Work]) -> list[tuple[str, Tensor]]:
     return [(param_name(w.group, i), g) for w in works for i, g in zip(w.indices, w.grads)]
 
 
-def _scales(group: dict[str, Any], shape: tuple[int, ...]) -> tuple[float | Tensor, float | Tensor]:
+def _scales(
+    group: dict[str, Any], layout: MatrixLayout, shape: tuple[int, ...]
+) -> tuple[float | Tensor, float | Tensor]:
     """``(decay, -lr·s(m,n))`` of a parameter, s of its logical matrices: floats, or 0-d tensors with a tensor lr."""
-    lr, matrix = group["lr"], MatrixLayout.of(group).matrix_shape(shape)
-    return 1 - lr * group["weight_decay"], -lr * shape_factor(matrix, group["adjust_lr"])
+    lr = group["lr"]
+    return 1 - lr * group["weight_decay"], -lr * shape_factor(layout.matrix_shape(shape), group["adjust_lr"])
