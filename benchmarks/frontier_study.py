@@ -92,6 +92,8 @@ ARMS: dict[str, dict[str, Any]] = {
     "warmup30": {**PERIODIC, "refresh_warmup": 30},
 }
 DEFAULT_ARMS = ["adamw", "muon", "periodic"]
+#: evaluation sample i of a unit of seed s (``--seed-scope all``) has noise seed ``EVAL_SEED_STRIDE·s + i``
+EVAL_SEED_STRIDE = 100_000
 
 
 def is_muon(arm: str) -> bool:
@@ -109,12 +111,14 @@ def initial_grid(arm: str, args: argparse.Namespace) -> list[float]:
 
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One constant-lr run of ``arm`` at ``lr`` and ``seed`` with its WSD branches, one per budget."""
+    """One constant-lr run of ``arm`` at ``lr`` and ``seed`` with its WSD branches, one per budget (``budgets``:
+    the run lengths it branches at; empty: every budget of the study)."""
 
     config: str
     arm: str
     lr: float
     seed: int
+    budgets: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple:
@@ -142,7 +146,10 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     torch.set_num_threads(args.threads)
     spec = CONFIGS[unit.config]
-    branch_at = {T - decay_steps(T, args.decay_fraction): T for T in budgets(args)}  # decay start → budget
+    branch_at = {T - decay_steps(T, args.decay_fraction): T for T in unit.budgets or budgets(args)}  # start → T
+    # --seed-scope all: the seed sets the data order, the training draws and the evaluation samples as well as the
+    # weights (the same seed draws the same for every arm: pairs); "weights": the exploratory frontier.csv's runs
+    draws = unit.seed if args.seed_scope == "all" else 0
     # a directory of this process's own: a worker left running by a killed study cannot delete its checkpoints
     (Path(args.work) / "units").mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="_".join(map(str, unit.key)) + "_", dir=Path(args.work) / "units"))
@@ -154,6 +161,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
             schedule=schedule,
             warmup_steps=args.warmup,
             decay_fraction=args.decay_fraction,
+            noise_seed=draws,
             **RUN_OPTIONS,
             **ARMS[unit.arm],
             **lr,
@@ -197,7 +205,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
             default_root_dir=str(work),
         )
 
-    data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
+    data = DigitsDataModule(batch_size=64, image_size=spec["image_size"], seed=draws)
     L.seed_everything(unit.seed, verbose=False)
     stable = Clock(save=True)
     trainer(max(branch_at), [stable]).fit(module("constant"), data)
@@ -205,7 +213,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
     for start, T in sorted(branch_at.items()):
         L.seed_everything(unit.seed, verbose=False)
         clock = Clock(start=stable.at_branch[start])  # before the evaluation: its clocks stop at step T
-        evaluation = digits_evaluation(T, args)  # once: the branch runs from T − d(T) to T
+        evaluation = digits_evaluation(T, args, seed=EVAL_SEED_STRIDE * draws)  # once: from T − d(T) to T
         branch = module("wsd")
         run = trainer(T, [clock, evaluation])
         run.fit(branch, data, ckpt_path=work / f"branch_{start}.ckpt")
@@ -231,7 +239,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
                 "optimizer_seconds": clock.optimizer_seconds,
                 "wall_seconds": clock.wall,
                 "refreshes": muon_state(run.optimizers[0])[0],
-                "role": "tune" if unit.seed in args.tune_seeds else "report",
+                "role": "tune" if unit.seed in args.tune_seeds else args.reported_role,
                 "device": args.device,
             }
         )
@@ -350,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--jobs", type=int, default=2, help="parallel units")
     add("--threads", type=int, default=1, help="torch threads per unit")
     add("--device", default="cpu", help="Lightning accelerator (cpu, cuda)")
+    add(
+        "--seed-scope",
+        choices=["weights", "all"],
+        default="weights",
+        help="what a seed sets: the initial weights only (how frontier.csv was made: its rows stay exploratory), or "
+        "also the data order, the training noise and timesteps and the evaluation samples",
+    )
     add("--report-only", action="store_true", help="regenerate the report from the CSV")
     return parser
 
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--tune-seeds {args.tune_seeds} and --seeds {args.seeds} overlap: the lr would be chosen on "
             "a reported seed."
         )
-    args.work = str(Path(args.out) / ".frontier_work")
+    args.work, args.reported_role = str(Path(args.out) / ".frontier_work"), "report"
     page = lambda rows, out: report(rows, plan(rows, args), args, out)  # noqa: E731
     run_study(parser, args, argv, "frontier_study.py", "frontier", COLUMNS, execute, page)
 

@@ -113,9 +113,9 @@ QUALITY_COLUMNS = {
 }
 
 
-def digits_evaluation(every_n_steps: int, args: argparse.Namespace, cls: type | None = None):
-    """The evaluation of every study run: digits FD and PRDC of ``args.samples`` EMA samples, no grid, the reference
-    statistics shared by every run under ``args.work`` (computed once)."""
+def digits_evaluation(every_n_steps: int, args: argparse.Namespace, cls: type | None = None, seed: int = 0):
+    """The evaluation of every study run: digits FD and PRDC of ``args.samples`` EMA samples (sample i seeded
+    ``seed + i``), no grid, the reference statistics shared by every run under ``args.work`` (computed once)."""
     from lightning_muon.callbacks import GenerationEvaluation
 
     return (cls or GenerationEvaluation)(
@@ -125,6 +125,7 @@ def digits_evaluation(every_n_steps: int, args: argparse.Namespace, cls: type | 
         num_inference_steps=args.inference_steps,
         batch_size=250,
         grid_size=0,
+        seed=seed,
         progress=False,
         reference_dir=str(Path(args.work) / "eval_reference"),
     )

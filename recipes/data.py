@@ -103,6 +103,7 @@ class DigitsDataModule(L.LightningDataModule):
         num_workers: DataLoader workers.
         predict_samples: samples ``lightning-muon predict`` generates.
         image_size: 8, or a multiple of 8 the digits are upscaled to (bicubic, clamped): a harder, larger task.
+        seed: the training order's seed (epoch e is a permutation seeded ``seed + e``); the split stays fixed.
     """
 
     num_classes, channels = 10, 1
@@ -114,13 +115,14 @@ class DigitsDataModule(L.LightningDataModule):
         num_workers: int = 0,
         predict_samples: int = 100,
         image_size: int = 8,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if image_size < 8 or image_size % 8:
             raise ValueError(f"image_size must be 8 or a multiple of 8, got {image_size}.")
         _check_counts(batch_size=batch_size, num_workers=num_workers)
         self.batch_size, self.val_size, self.num_workers = batch_size, val_size, num_workers
-        self.predict_samples, self.image_size = predict_samples, image_size
+        self.predict_samples, self.image_size, self.seed = predict_samples, image_size, seed
 
     def _pixels(self, digits_images) -> torch.Tensor:
         """sklearn's ``(N, 8, 8)`` digit images (0–16) as floats in [0, 1], ``(N, 1, image_size, image_size)``."""
@@ -147,7 +149,9 @@ class DigitsDataModule(L.LightningDataModule):
         return (self._pixels(load_digits().images) * 255).round().to(torch.uint8)
 
     def train_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return ResumableDataLoader(
+            self.train_set, batch_size=self.batch_size, num_workers=self.num_workers, seed=self.seed
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

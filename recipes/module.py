@@ -89,6 +89,11 @@ class DiTModule(L.LightningModule):
             so one constant run branches the whole quality-vs-budget frontier (``benchmarks/frontier_study.py``).
         ema_decay: EMA of the weights (0 disables it).
         cfg_dropout: condition dropout probability.
+        noise_seed: seed of the training draws (noise, timesteps, condition dropout): step ``s`` on rank ``r`` draws
+            from a generator seeded ``1,000,003·s + r + 2,654,435,761·noise_seed`` (a CPU generator keeps the low
+            32 bits, which the golden-ratio multiplier spreads); 0 draws what runs drew before the option existed.
+            Set it with the data order's seed for runs that differ in every draw (the validation loss keeps its
+            fixed noise).
         vae_path: optional diffusers ``AutoencoderKL`` directory: train in its latent space.
         text_encoder_path: a transformers text encoder + tokenizer directory (T5 for PixArt): batches with
             ``"caption"`` strings and :meth:`generate` with prompts are encoded with it (frozen).
@@ -137,6 +142,7 @@ class DiTModule(L.LightningModule):
         decay_fraction: float = 0.2,
         ema_decay: float = 0.999,
         cfg_dropout: float = 0.1,
+        noise_seed: int = 0,
         vae_path: str | None = None,
         text_encoder_path: str | None = None,
         max_caption_length: int = 120,
@@ -161,6 +167,8 @@ class DiTModule(L.LightningModule):
             raise ValueError(
                 f"decay_fraction (the WSD schedule's decay share of the steps) must be in (0, 1], got {decay_fraction}."
             )
+        if not 0 <= noise_seed < 2**15:
+            raise ValueError(f"noise_seed must be in [0, 32768), got {noise_seed}.")
         if not 0.0 <= cfg_dropout < 1.0 or not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"cfg_dropout and ema_decay must be in [0, 1), got {cfg_dropout} and {ema_decay}.")
         if frozen_dtype not in FROZEN_DTYPES:
@@ -359,7 +367,8 @@ class DiTModule(L.LightningModule):
         seeded by (global step, rank), not from the global RNG: a resumed run draws exactly what the uninterrupted one
         drew, and the draws are made on the device (no pageable host-to-device copy stalling the CPU each step)."""
         rank = self.trainer.global_rank if self._trainer is not None else 0
-        return device.generator(self.device, 1_000_003 * self.global_step + rank)
+        seed = 1_000_003 * self.global_step + rank + 2_654_435_761 * self.hparams.noise_seed
+        return device.generator(self.device, seed)
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         x0 = self._clean(batch)
