@@ -252,15 +252,17 @@ class GenerationEvaluation(Callback):
         self.history.append({"step": trainer.global_step, **values})
         self.higher_is_better.update(higher_is_better)
         publish_scalars(trainer, pl_module, values, monitorable)
+        # on every rank: without a checkpoint callback the folder is trainer.log_dir, a broadcast
+        ckpt = trainer.checkpoint_callback
+        folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else Path(trainer.log_dir or ".")
         if trainer.is_global_zero:
-            self._publish(trainer, values, grid)
+            self._publish(trainer, values, grid, folder)
         return values
 
-    def _publish(self, trainer: L.Trainer, values: dict[str, float], grid: Tensor | None) -> None:
+    def _publish(self, trainer: L.Trainer, values: dict[str, float], grid: Tensor | None, folder: Path) -> None:
+        """Rank 0: the sample grid to the loggers, a row of ``folder/metrics.jsonl``, a log line (no collective)."""
         for logger in trainer.loggers:
             if grid is not None and hasattr(logger.experiment, "add_image"):
                 logger.experiment.add_image("eval/samples", sample_grid(grid), logger_step(trainer))
-        ckpt = trainer.checkpoint_callback
-        folder = Path(ckpt.dirpath) if ckpt is not None and ckpt.dirpath else Path(trainer.log_dir or ".")
         append_jsonl(folder / "metrics.jsonl", {"step": trainer.global_step, "epoch": trainer.current_epoch, **values})
         log.info("step %d: %s", trainer.global_step, ", ".join(f"{k}={v:.4g}" for k, v in values.items()))

@@ -28,8 +28,8 @@ SIGTERM_EXIT = 128 + signal.SIGTERM
 
 class Preemption(Callback):
     """Replaces Lightning's signal handlers (installed at ``fit``) with ones that only take note; the work is done at
-    the end of the step (``on_train_batch_end``, with the step's EMA update; the stop before the next step, after
-    the step's checkpoints), after one all-reduce of the flags so every rank acts together.
+    the end of an agreement step (``on_train_batch_end``, with the step's EMA update; the stop before the next step,
+    after the step's checkpoints), after one all-reduce of the flags so every rank acts at the same step.
 
     Why: Lightning's SLURM handler saves ``hpc_ckpt_N.ckpt`` from inside the signal handler, wherever the signal
     lands — between an optimizer step and its EMA update, even inside the step — a checkpoint whose parts are from
@@ -43,9 +43,25 @@ class Preemption(Callback):
     - **Slurm's requeue signal** (``SLURMEnvironment(auto_requeue=True)``, SIGUSR1 by default,
       ``#SBATCH --signal=USR1@90``): ``hpc_ckpt_N.ckpt`` in ``default_root_dir`` (through the strategy's
       crash-consistent writer), then ``scontrol requeue``; training goes on until Slurm stops it (SIGTERM).
+
+    Agreement steps are the steps Lightning writes the loggers (every ``log_every_n_steps``), or every
+    ``every_n_steps`` optimizer steps: the steps between make no collective and no host read (an all-reduce read on
+    the host every step would stall a GPU every step). **Worst-case delay**: a signal is acted on within
+    ``every_n_steps`` (or ``log_every_n_steps``; every step when logging is off) steps of the step it arrived in —
+    keep that many steps well inside the time Slurm gives between SIGTERM and SIGKILL (``KillWait``, 30 s by default) and before the
+    requeue signal's deadline (``--signal=USR1@90``). One process needs no agreement and acts at the next step.
+    Lightning >= 2.6's own per-step SIGTERM broadcast is switched off while this callback runs
+    (:func:`~lightning_muon.compat.skip_sigterm_broadcast`): its flag could never be set once the handlers are
+    replaced. ``muon_fsdp`` adds this callback to a run that has none.
+
+    Args:
+        every_n_steps: optimizer steps between agreements of a multi-rank run (default: the logging steps).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1 (or None: the logging steps), got {every_n_steps}.")
+        self.every_n_steps = every_n_steps
         self._flags = {"stop": False, "requeue": False}
         self._stop = False
 
@@ -56,6 +72,7 @@ class Preemption(Callback):
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             signal.signal(environment.requeue_signal or signal.SIGUSR1, self._take_note("requeue"))
         signal.signal(signal.SIGTERM, self._take_note("stop", trainer))
+        compat.skip_sigterm_broadcast(trainer)
 
     def _take_note(self, flag: str, trainer: L.Trainer | None = None):
         def handler(signum: int, frame: FrameType | None) -> None:
@@ -69,6 +86,8 @@ class Preemption(Callback):
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: object) -> None:
+        if not self._agreement_step(trainer):
+            return
         self._stop, requeue = self._agreed(trainer)
         if requeue:
             self._flags["requeue"] = False
@@ -78,6 +97,15 @@ class Preemption(Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, i: int) -> None:
         if self._stop:
             raise SIGTERMException(SIGTERM_EXIT)
+
+    def _agreement_step(self, trainer: L.Trainer) -> bool:
+        """Every step of one process; else every ``every_n_steps`` optimizer steps, or the logging steps. The same
+        answer on every rank (it depends on the step only)."""
+        if trainer.world_size == 1:
+            return True
+        if self.every_n_steps is not None:
+            return trainer.global_step % self.every_n_steps == 0
+        return trainer.log_every_n_steps == 0 or compat.logging_this_step(trainer)
 
     def _agreed(self, trainer: L.Trainer) -> tuple[bool, bool]:
         """The flags, any rank's (one all-reduce when there are several ranks)."""

@@ -10,8 +10,26 @@ import lightning as L
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from typing_extensions import override
 
+from lightning_muon import compat
 
-class StepProgressBar(RichProgressBar):
+
+class _LoggedLoss:
+    """``train/loss`` on the bar as of the last logging step: read on the host when Lightning writes the loggers
+    (every ``log_every_n_steps``), never in between — a read every step would wait for the device every step."""
+
+    _loss: float | None = None
+
+    def _note_loss(self, trainer: L.Trainer) -> None:
+        value = trainer.callback_metrics.get("train/loss")
+        if value is not None and compat.logging_this_step(trainer):
+            self._loss = float(value)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        return metrics if self._loss is None else {**metrics, "train/loss": self._loss}
+
+
+class StepProgressBar(_LoggedLoss, RichProgressBar):
     """Lightning's rich progress bar, but when ``max_steps`` is set it is one bar for the whole run: optimizer step
     ``global_step`` of ``max_steps`` (step-based runs have ``max_epochs=-1``, which the stock bar shows as
     "Epoch 62/-2" over the batches of one epoch). Without ``max_steps`` it is the stock bar.
@@ -40,6 +58,7 @@ class StepProgressBar(RichProgressBar):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._note_loss(trainer)
         if trainer.max_steps <= 0:
             return super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not self.is_disabled and self.train_progress_bar_id is None:
@@ -48,7 +67,7 @@ class StepProgressBar(RichProgressBar):
         self._update_metrics(trainer, pl_module)
 
 
-class LineProgress(ProgressBar):
+class LineProgress(_LoggedLoss, ProgressBar):
     """Plain-text progress for a log file (stdout not a terminal, e.g. a Slurm job), where a live bar prints nothing:
     a line every ``every_n_steps`` optimizer steps — ``step 250/1500 (17%) | loss 0.412 | 12.3 steps/s | ETA
     0:01:42`` — and one per :class:`~lightning_muon.callbacks.GenerationEvaluation` result, flushed at once. Rank
@@ -93,6 +112,7 @@ class LineProgress(ProgressBar):
     ) -> None:
         if self.is_disabled:
             return
+        self._note_loss(trainer)
         step, total = trainer.global_step, trainer.max_steps
         if step != self._printed_step and (step % self.every_n_steps == 0 or step == total):
             self._printed_step = step

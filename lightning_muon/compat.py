@@ -26,11 +26,13 @@ __all__ = [
     "cpu_has_native_bf16",
     "dcp_set_element",
     "hpc_save_path",
+    "logging_this_step",
     "materialize_distributed_module",
     "optimizers_to_device",
     "restarted_mid_epoch",
     "set_device_mesh",
     "set_sampler_epoch",
+    "skip_sigterm_broadcast",
     "torch_muon_orthogonalize",
 ]
 
@@ -65,6 +67,23 @@ def batches_that_stepped(trainer: L.Trainer) -> int:
     (``fit_loop.epoch_loop._batches_that_stepped``; ``trainer.global_step`` counts optimizer steps, which differ
     under gradient accumulation and by one inside the batch)."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def logging_this_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes the loggers at the end of the training batch in progress (``_LoggerConnector.
+    should_update_logs``, every ``log_every_n_steps``, or ``fast_dev_run``): the decision its loop makes, asked the
+    same way before it makes it; no public property tells it."""
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
+
+
+def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Switch off the SIGTERM check Lightning >= 2.6 makes before every training batch of a multi-rank run
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``: a broadcast and ``.item()``, a host sync every step; Lightning
+    #21487) — for a run whose :class:`~lightning_muon.callbacks.Preemption` agrees on signals itself, with
+    Lightning's handlers replaced (the flag it broadcasts could never be set). Lightning 2.5 has no such check."""
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = lambda: None
 
 
 def restarted_mid_epoch(fit_loop: Any) -> bool:

@@ -22,7 +22,7 @@ their exit grace. (A finished gloo run
 that aborted at exit — "terminate called without an active exception" — did so because gloo's worker threads took
 the GIL during finalization: :func:`~lightning_muon.optim.transport.release_gloo_workers_at_exit`.)
 
-A rank that raises under NCCL aborts its process group at once (:meth:`MuonFSDPStrategy.on_exception`, after the
+A rank that raises under NCCL aborts its process group at once (:meth:`MuonFSDPStrategy.on_exception`, before the
 callbacks' ``on_exception``): its in-flight collectives are cancelled, so its teardown and exit cannot block on peers
 that will never answer, and it exits with its own error. NCCL tells the other ranks nothing: they wait in their next
 collective until the launcher stops them (torchrun stops every worker when one fails; ``srun --kill-on-bad-exit=1``
@@ -39,8 +39,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -49,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_muon import compat
+from lightning_muon.callbacks.preemption import Preemption
 from lightning_muon.checkpoint import (
     META_FILE,
     AtomicCheckpointIO,
@@ -179,6 +182,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.blocks: Blocks = blocks
         self._shard_mesh: DeviceMesh | None = None
+        self._aborted = False
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -206,6 +210,10 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
+        if not any(isinstance(c, Preemption) for c in trainer.callbacks):
+            trainer.callbacks.append(Preemption())  # signals agreed by every rank without a per-step collective
+        if not any(isinstance(c, _AbortFirst) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, _AbortFirst())  # Lightning runs callbacks' on_exception before ours
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(
@@ -232,9 +240,17 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Under NCCL abort the process group now: a rank that raised must not block in teardown or at exit on
-        collectives its peers will never finish (gloo's failing sockets already end them)."""
-        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        """Under NCCL (alone or in a mixed ``"cpu:gloo,cuda:nccl"`` group) abort the process group now: a rank that
+        raised must not block in teardown or at exit on collectives its peers will never finish (gloo's failing
+        sockets already end them). Not for :class:`SIGTERMException`, which every rank raises at the same step
+        (:class:`~lightning_muon.callbacks.Preemption`): collectives still work there. Runs once, first: Lightning
+        calls the callbacks' ``on_exception`` before the strategy's, and a callback's collective there (an
+        ``OnExceptionCheckpoint`` save) would block this rank before the abort — ``_AbortFirst``, the first
+        callback, calls this hook before them."""
+        if self._aborted or isinstance(exception, SIGTERMException) or not torch.distributed.is_initialized():
+            return
+        if "nccl" in str(torch.distributed.get_backend()):
+            self._aborted = True
             compat.abort_process_group()
 
     def _check_optimizers(self) -> None:
@@ -355,6 +371,13 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="FSDP2 + PeriodicRowwiseMuon (lightning-muon)")
+
+
+class _AbortFirst(Callback):
+    """The first callback of a ``muon_fsdp`` run: its ``on_exception`` is the strategy's, before any other's."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        trainer.strategy.on_exception(exception)
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -150,11 +150,11 @@ class DigitsDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return ResumableDataLoader(
-            self.train_set, batch_size=self.batch_size, num_workers=self.num_workers, seed=self.seed
+            self.train_set, self.batch_size, num_workers=self.num_workers, seed=self.seed, pin_memory=pin_memory(self)
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return DataLoader(self.val_set, self.batch_size, num_workers=self.num_workers, pin_memory=pin_memory(self))
 
     def test_dataloader(self) -> DataLoader:
         """The held-out split (digits has no separate test set)."""
@@ -181,7 +181,9 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.train_set = ImageFolder(self.root, self.image_size, self.skip_corrupt)
 
     def train_dataloader(self) -> DataLoader:
-        return ResumableDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers)
+        return ResumableDataLoader(
+            self.train_set, self.batch_size, num_workers=self.num_workers, pin_memory=pin_memory(self)
+        )
 
 
 class LatentShardsDataModule(L.LightningDataModule):
@@ -240,6 +242,7 @@ class LatentShardsDataModule(L.LightningDataModule):
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            pin_memory=pin_memory(self),
         )
 
     def train_dataloader(self) -> DataLoader:
@@ -247,6 +250,13 @@ class LatentShardsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         return [] if self.val_set is None else self._loader(self.val_set, self.val_ids, shuffle=False)
+
+
+def pin_memory(datamodule: L.LightningDataModule) -> bool:
+    """Whether batches go to a CUDA device: then they are collated into pinned host memory, so Lightning's
+    ``non_blocking`` copy is asynchronous (from pageable memory every batch is a synchronous copy)."""
+    trainer = datamodule.trainer
+    return trainer is not None and trainer.strategy.root_device.type == "cuda"
 
 
 def _check_counts(batch_size: int, num_workers: int) -> None:

@@ -250,17 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _score_checkpoint(
-    ckpt: Path,
+def _score(
+    module: DiTModule,
     meta: dict[str, Any],
     metrics: dict[str, Any],
     args: argparse.Namespace,
     prompts: list[str] | None,
-    device: torch.device,
-    dtype: torch.dtype,
+    desc: str,
 ) -> dict[str, float]:
     """Generate from one checkpoint's sampling weights and score the samples."""
-    module, _ = load_generator(ckpt, device, dtype, meta)
     num_classes = args.num_classes or meta.get("hyper_parameters", {}).get("num_classes", 10)
     values, _, _ = score_generation(
         module,
@@ -271,10 +269,23 @@ def _score_checkpoint(
         args.num_inference_steps,
         args.guidance_scale,
         args.batch_size,
-        desc=ckpt.name,
+        desc=desc,
         prompts=prompts,
     )
     return values
+
+
+def _agreed_error(error: str | None) -> str | None:
+    """This rank's load error of a checkpoint agreed over the ranks (one object all-gather): every failing rank's
+    message, named by rank, or ``None`` when every rank loaded it — so every rank skips it or scores it together."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
+    return "; ".join(failed) or None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -316,12 +327,24 @@ def _evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     if not todo and not rows and not failed:
         raise SystemExit(f"No checkpoints found under {args.runs}.")
     for run, ckpt, meta in tqdm(todo, desc="checkpoints", unit="ckpt", disable=not rank0):
-        try:  # any failure of one checkpoint is reported and the sweep goes on
-            values = _score_checkpoint(ckpt, meta, metrics, args, prompts, device, dtype)
+        try:  # a checkpoint that cannot be loaded is reported and the sweep goes on, on every rank together
+            module, error = load_generator(ckpt, device, dtype, meta)[0], None
         except Exception as err:
-            failed.append(f"{ckpt}: {type(err).__name__}: {err}")
-            log.error("Skipping %s: %s", ckpt, err)
+            module, error = None, f"{type(err).__name__}: {err}"
+        if error := _agreed_error(error):
+            failed.append(f"{ckpt}: {error}")
+            log.error("Skipping %s: %s", ckpt, error)
             continue
+        try:
+            values = _score(module, meta, metrics, args, prompts, ckpt.name)
+        except Exception as err:
+            if not dist.is_initialized():  # one process: reported, the sweep goes on
+                failed.append(f"{ckpt}: {type(err).__name__}: {err}")
+                log.error("Skipping %s: %s", ckpt, err)
+                continue
+            # the other ranks are inside this checkpoint's collectives: end this rank now, which ends theirs
+            log.error("Scoring %s failed on rank %d: %s: %s", ckpt, dist.get_rank(), type(err).__name__, err)
+            raise
         rows.append({"run": run, "checkpoint": str(ckpt), "step": int(meta.get("global_step", 0)), **values})
         if rank0:
             _write_rows(csv_path, rows)  # after every checkpoint: an interrupted evaluation resumes where it stopped

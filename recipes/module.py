@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 from lightning_muon import PeriodicRowwiseMuon, device, muon_param_groups
+from lightning_muon.callbacks.publish import log_on_logging_steps
 from lightning_muon.optim.config import MuonConfig, keys
 from lightning_muon.recipes.networks import (
     TINY_DIT,
@@ -385,7 +386,7 @@ class DiTModule(L.LightningModule):
         else:
             t = torch.rand(len(x0), generator=g, device=self.device)
         loss = self.loss(self.model, x0, cond, t, noise)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
+        log_on_logging_steps(self, "train/loss", loss)  # the global batch's mean loss, every log_every_n_steps
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

@@ -43,9 +43,11 @@ class _Tiny(L.LightningModule):
         super().__init__()
         self.net = nn.Linear(2, 1)
         self.seen: list[int] = []
+        self.logging: list[bool] = []
 
     def training_step(self, batch, i):
         self.seen.append(compat.batches_that_stepped(self.trainer))
+        self.logging.append(compat.logging_this_step(self.trainer))
         return self.net(batch[0]).sum()
 
     def configure_optimizers(self):
@@ -59,9 +61,30 @@ def test_trainer_internals(tmp_path):
     from lightning.pytorch.plugins.environments import LightningEnvironment
 
     module = _Tiny()
-    trainer = L.Trainer(max_steps=3, default_root_dir=tmp_path, logger=False, enable_checkpointing=False)
+    written: list[int] = []
+
+    class Written(L.Callback):  # the steps Lightning's loop wrote the loggers at
+        def on_train_batch_end(self, trainer, *args):
+            trainer._logger_connector.log_metrics = lambda metrics, step=None: written.append(trainer.global_step)
+
+    trainer = L.Trainer(
+        max_steps=4, default_root_dir=tmp_path, logger=False, enable_checkpointing=False, log_every_n_steps=2,
+        callbacks=[Written()],
+    )  # fmt: skip
     trainer.fit(module)
-    assert module.seen == [0, 1, 2]  # the logger step of each batch: the optimizer steps before it
+    assert module.seen == [0, 1, 2, 3]  # the logger step of each batch: the optimizer steps before it
+    # asked inside training_step, the decision the loop makes after it (steps 2 and 4); control: not every step
+    assert module.logging == [False, True, False, True] and written[:2] == [2, 4]  # then the epoch end's
+    sigterm_checks: list[int] = []
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(type(loop), "_broadcast_sigterm_tensor"):  # Lightning >= 2.6
+        loop._broadcast_sigterm_tensor = lambda: sigterm_checks.append(1)
+        loop._broadcast_sigterm_tensor()
+        compat.skip_sigterm_broadcast(trainer)
+        loop._broadcast_sigterm_tensor()
+        assert sigterm_checks == [1]  # control: the planted check ran before the switch
+    else:
+        compat.skip_sigterm_broadcast(trainer)  # nothing to switch off
     assert compat.restarted_mid_epoch(trainer.fit_loop) is False
     assert isinstance(compat.cluster_environment(trainer), LightningEnvironment)
     assert compat.hpc_save_path(trainer) == tmp_path / "hpc_ckpt_1.ckpt"

@@ -152,19 +152,36 @@ def test_meta_device_init_leaves_nothing_uninitialized():
         assert all(0.5 < s < 1.5 for s in result["pixart"]["table_std"])
 
 
-@pytest.mark.parametrize("backend", ["nccl", "gloo"])
-def test_a_rank_that_raises_under_nccl_aborts_its_group(monkeypatch, backend):
-    """``on_exception`` under NCCL aborts the process group (its in-flight collectives cancelled: teardown and exit
-    cannot block on peers); under gloo — the control — it leaves the group to the exit hook. The backend query and
-    the abort are recorded: NCCL needs GPUs."""
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl", "gloo"])
+def test_a_rank_that_raises_under_nccl_aborts_its_group_before_the_callbacks(monkeypatch, backend):
+    """``on_exception`` under NCCL — alone or in a mixed group — aborts the process group (its in-flight collectives
+    cancelled: teardown and exit cannot block on peers), once, and before any callback's ``on_exception`` (the
+    strategy puts its hook first in ``trainer.callbacks``); under gloo — the control — it leaves the group to the
+    exit hook; an agreed SIGTERM stop aborts nothing. The backend query and the abort are recorded: NCCL needs
+    GPUs."""
+    import lightning as L
     import torch
     import torch.distributed.distributed_c10d as c10d
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_muon.strategy import MuonFSDPStrategy
+    from lightning_muon.strategy import MuonFSDPStrategy, _AbortFirst
 
-    aborted = []
+    events = []
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
-    monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: aborted.append(group))
-    MuonFSDPStrategy().on_exception(RuntimeError("a rank failed"))
-    assert aborted == ([None] if backend == "nccl" else [])
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda group=None: events.append("abort"))
+
+    class CollectiveOnException(L.Callback):  # e.g. OnExceptionCheckpoint's collective save
+        def on_exception(self, trainer, pl_module, exception):
+            events.append("callback")
+
+    strategy = MuonFSDPStrategy()
+    trainer = L.Trainer(strategy="auto", callbacks=[CollectiveOnException()], logger=False)
+    trainer.callbacks.insert(0, _AbortFirst())  # what MuonFSDPStrategy.setup does
+    monkeypatch.setattr(type(trainer), "strategy", property(lambda self: strategy))
+    strategy.on_exception(SIGTERMException())
+    assert events == []  # every rank stops at the same step: collectives still work
+    for callback in trainer.callbacks:  # Lightning's order, then the strategy's own hook
+        callback.on_exception(trainer, None, RuntimeError("a rank failed"))
+    strategy.on_exception(RuntimeError("a rank failed"))
+    assert events == (["abort", "callback"] if "nccl" in backend else ["callback"])

@@ -16,6 +16,7 @@ checkpoint's save (SIGTERM) or between steps (SIGUSR1 with Slurm's environment: 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -300,7 +301,7 @@ class Matrix:
             message=message_of(proc, "Stopped by SIGTERM"),
         )
         if ranks > 1:
-            return
+            return self.plain_trainer_sigterm_row(ranks)
         root = self.base / "slurm"
         warning = {"class_path": "signals.SignalAfterStep", "init_args": {"signal_name": "SIGUSR1", "step": 3}}
         proc = cli(fit_args(root, root / "ckpt", ranks, (warning,)), self.env(**SLURM))
@@ -323,6 +324,26 @@ class Matrix:
             resume=resume,
             message=message_of(proc, "Slurm pre-emption: saved"),
         )
+
+    def plain_trainer_sigterm_row(self, ranks: int) -> None:
+        """``Trainer(strategy="muon_fsdp")`` in a user's script (no CLI, no callback of ours; log_every_n_steps 2):
+        SIGTERM to the last rank only after step 3. The strategy's pre-emption agrees at the next logging step: every
+        rank stops before step 5, exit 143 (without the agreement that rank would stop alone and the others hang)."""
+        root = self.base / f"plain-sigterm-{ranks}"
+        script = ROOT / "tests" / "scripts" / "fit_muon_fsdp.py"
+        cmd = [sys.executable, str(script), "--devices", str(ranks), "--epochs", "2", "--root", str(root / "run")]
+        cmd += ["--record", str(root / "record.json"), "--sigterm", "3", str(ranks - 1), "--log-every-n-steps", "2"]
+        root.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=self.env(), cwd=root, timeout=600)
+        stopped = {}
+        for rank in range(ranks):
+            path = root / "run" / f"stopped_rank{rank}.json"
+            stopped[rank] = json.loads(path.read_text())["step"] if path.is_file() else None
+        agreed = set(stopped.values()) == {4}
+        message = "every rank stopped before step 5" if agreed else f"ranks stopped at {stopped}"
+        run, fault = f"Trainer(strategy='muon_fsdp'), {ranks} ranks", "SIGTERM to one rank (step 3)"
+        expect = (143, "every rank stopped before step 5")
+        self.add(run, fault, proc, expect, on_disk=f"stops: {stopped}", message=message)
 
     def damaged_rows(self, ranks: int) -> None:
         """The uninterrupted run's checkpoints with step 4 truncated and steps 6 / last gone: resuming from the

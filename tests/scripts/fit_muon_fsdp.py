@@ -7,6 +7,8 @@ Run by tests/core/test_strategy.py as a subprocess (Lightning re-launches the sc
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -84,6 +86,24 @@ class Record(Callback):
             Path(self.path).write_text(json.dumps(self.rows))
 
 
+class SigtermAt(Callback):
+    """SIGTERM to this rank's own process after optimizer step ``step`` (rank ``rank`` only: the others learn it from
+    the agreement); each rank writes the step it stopped at to ``<root>/stopped_rank<r>.json``."""
+
+    def __init__(self, root: str, step: int, rank: int) -> None:
+        self.root, self.step, self.rank = root, step, rank
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_exception(self, trainer, pl_module, exception):
+        record = {"step": trainer.global_step, "exception": type(exception).__name__}
+        record["callbacks"] = [type(c).__name__ for c in trainer.callbacks]
+        Path(self.root).mkdir(parents=True, exist_ok=True)
+        Path(self.root, f"stopped_rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
 def ema_weight_averaging() -> Callback:
     """Lightning's own EMA callback (Lightning >= 2.6; the lower-bound environment has 2.4 and never asks for it)."""
     from lightning.pytorch.callbacks import EMAWeightAveraging
@@ -112,6 +132,8 @@ def main() -> None:
     parser.add_argument("--partial-shard", action="store_true")
     parser.add_argument("--strategy", default="muon_fsdp", choices=["muon_fsdp", "model_parallel"])
     parser.add_argument("--ema-weight-averaging", action="store_true", help="add Lightning's EMAWeightAveraging")
+    parser.add_argument("--sigterm", type=int, nargs=2, metavar=("STEP", "RANK"), help="SIGTERM to RANK after STEP")
+    parser.add_argument("--log-every-n-steps", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(1)
     trainer = L.Trainer(
@@ -123,8 +145,10 @@ def main() -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        log_every_n_steps=args.log_every_n_steps,
         callbacks=[Record(args.record), ModelCheckpoint(dirpath=f"{args.root}/ckpt", save_last=True, save_top_k=0)]
-        + ([ema_weight_averaging()] if args.ema_weight_averaging else []),
+        + ([ema_weight_averaging()] if args.ema_weight_averaging else [])
+        + ([SigtermAt(args.root, *args.sigterm)] if args.sigterm else []),
     )
     loader = DataLoader(dataset(), batch_size=GLOBAL_BATCH // args.devices, shuffle=False)
     module = TinyFlowDiT(args.optimizer, args.partial_shard, shard=args.strategy == "model_parallel")
