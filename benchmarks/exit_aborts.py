@@ -1,7 +1,9 @@
 """How often a finished 3-rank gloo job aborts at exit (the cause: :func:`~lightning_muon.optim.transport.
 release_gloo_workers_at_exit`): ``--runs`` torchrun launches of a step-and-exit harness (two
 FSDP2-sharded matrices stepped by ``PeriodicRowwiseMuon`` at K = 1 and 3 in gather and scatter mode, or by
-``torch.optim.AdamW``, gathered with ``full_tensor()``, then ``barrier()`` and ``destroy_process_group()``), counting
+``torch.optim.AdamW``, gathered with ``full_tensor()``, then ``barrier()`` and ``destroy_process_group()`` — as a
+user's script does; the exit hook still gives the grace, because the optimizer's collectives noted the gloo group,
+:func:`~lightning_muon.optim.transport.note_gloo_collectives`), counting
 the runs in which a rank died by a signal ("terminate called without an active exception", SIGABRT) instead of
 exiting 0. Prints a table and writes JSON.
 

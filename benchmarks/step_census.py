@@ -27,6 +27,7 @@ import collections
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,10 @@ COLLECTIVES = (
 READS = ("item", "tolist", "__bool__", "__float__", "__int__", "cpu", "numpy")
 KINDS = ("typical", "logging", "evaluation", "checkpoint", "validation")
 BUDGET_ORIGINS = ("FSDP2", "optimizer")  # the only collectives a typical step may make
+#: host reads of tensors a GPU run keeps on the host too: not syncs (origin prefix → why)
+HOST_RESIDENT = {
+    "optimizer lightning_muon/optim/adamw.py": "AdamW's step counts are CPU tensors on any device, as torch.optim's",
+}
 #: STEP_CENSUS_TRACE="<part of 'event | origin'>": each matching event prints the stack that made it (stderr)
 TRACE = os.environ.get("STEP_CENSUS_TRACE")
 
@@ -61,7 +66,9 @@ class Census:
         if self.steps:
             where = origin()
             self.steps[-1]["events"][event, where] += 1
-            if TRACE and TRACE in f"{event} | {where}" and len(self.steps) > 2:  # where a typical step's event comes from
+            if (
+                TRACE and TRACE in f"{event} | {where}" and len(self.steps) > 2
+            ):  # where a typical step's event comes from
                 traceback.print_stack(sys._getframe(2), limit=14)
 
     def mark(self, kind: str) -> None:
@@ -92,7 +99,9 @@ class Census:
 
         return wrapper
 
-    def install(self) -> None:
+    def install(self, count: bool = True) -> None:
+        """The step windows and their marks; with ``count``, the collectives and host reads too (``count=False``
+        times the steps without the wrappers' cost)."""
         import torch
         import torch.distributed as dist
         from lightning.pytorch import Trainer
@@ -102,10 +111,10 @@ class Census:
 
         from lightning_muon.callbacks import GenerationEvaluation
 
-        for name in COLLECTIVES:
+        for name in COLLECTIVES if count else ():
             if hasattr(dist, name):
                 setattr(dist, name, self.counting(getattr(dist, name), name))
-        for name in READS:
+        for name in READS if count else ():
             setattr(torch.Tensor, name, self.counting(getattr(torch.Tensor, name), f".{name}()"))
         advance = _TrainingEpochLoop.advance
 
@@ -121,16 +130,22 @@ class Census:
         GenerationEvaluation.evaluate = self.marking(GenerationEvaluation.evaluate, "evaluation")
 
     def dump(self, path: Path) -> None:
+        ends = [s["start"] for s in self.steps[1:]] + [time.perf_counter()]
         steps = [
-            {"marks": sorted(s["marks"]), "events": [[e, o, n] for (e, o), n in s["events"].items()]}
-            for s in self.steps
+            {
+                "marks": sorted(s["marks"]),
+                "events": [[e, o, n] for (e, o), n in s["events"].items()],
+                "seconds": t - s["start"],
+            }
+            for s, t in zip(self.steps, ends, strict=True)
         ]
         path.write_text(json.dumps({"steps": steps}))
 
 
 def origin() -> str:
-    """The first frame, innermost first, outside torch and this script: ``FSDP2``, ``optimizer``, ``lightning-muon
-    <file>:<function>``, ``Lightning <file>:<function>`` or ``<package> <file>``."""
+    """The first frame, innermost first, outside torch and this script: ``FSDP2``, ``optimizer <file>:<function>``
+    (``lightning_muon/optim``), ``lightning-muon <file>:<function>``, ``Lightning <file>:<function>`` or
+    ``<package> <file>:<function>``."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
@@ -146,7 +161,8 @@ def _name(path: str, function: str) -> str:
     p = Path(path)
     if p.is_relative_to(ROOT):
         rel = p.relative_to(ROOT).as_posix()
-        return "optimizer" if rel.startswith("lightning_muon/optim/") else f"lightning-muon {rel}:{function}"
+        package = "optimizer" if rel.startswith("lightning_muon/optim/") else "lightning-muon"
+        return f"{package} {rel}:{function}"
     parts = p.parts
     for package in ("lightning", "torchmetrics", "lightning_fabric", "diffusers"):
         if package in parts:
@@ -158,7 +174,7 @@ def _name(path: str, function: str) -> str:
 def run_rank(out: Path, fit_args: list[str]) -> None:
     """One rank (Lightning re-runs this script for rank 1): count, fit, write ``census_rank<r>.json``."""
     census = Census()
-    census.install()
+    census.install(count=not os.environ.get("STEP_CENSUS_TIMING"))
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     atexit.register(census.dump, out / f"census_rank{rank}.json")
     from lightning_muon.recipes.cli import main
@@ -211,11 +227,10 @@ def fit_args(work: Path, steps: int, control: bool) -> list[str]:
     return args + (["--control"] if control else [])
 
 
-def summarize(rank_files: list[Path]) -> dict:
+def summarize(rank_steps: list[list[dict]]) -> dict:
     """Per rank and kind of step: the steps of that kind and the mean count per step of each (event, origin)."""
     ranks = []
-    for path in rank_files:
-        steps = json.loads(path.read_text())["steps"][1:]  # the first step also warms up (lazy inits)
+    for steps in rank_steps:
         table: dict[str, dict] = {}
         for kind in KINDS:
             chosen = [s for s in steps if (kind == "typical" and not s["marks"]) or kind in s["marks"]]
@@ -223,7 +238,7 @@ def summarize(rank_files: list[Path]) -> dict:
             for s in chosen:
                 for event, where, n in s["events"]:
                     counts[f"{event} | {where}"] += n
-            table[kind] = {"steps": len(chosen), "per_step": {k: v / len(chosen) for k, v in counts.items()}}
+            table[kind] = {"steps": len(chosen), "per_step": {k: v / max(len(chosen), 1) for k, v in counts.items()}}
         ranks.append(table)
     return {"ranks": ranks}
 
@@ -235,9 +250,10 @@ def violations(summary: dict) -> list[str]:
         for key, per_step in table["typical"]["per_step"].items():
             event, where = key.split(" | ")
             if event.startswith("."):
-                if where.startswith(("lightning-muon", "Lightning")):
+                ours = where.startswith(("lightning-muon", "optimizer", "Lightning"))
+                if ours and not where.startswith(tuple(HOST_RESIDENT)):
                     found.append(f"rank {rank}: {per_step:g} {event} per typical step from {where}")
-            elif where not in BUDGET_ORIGINS:
+            elif where.split()[0] not in BUDGET_ORIGINS:
                 found.append(f"rank {rank}: {per_step:g} {event} per typical step from {where}")
     return found
 
@@ -254,12 +270,13 @@ def markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def census(steps: int = 26, control: bool = False, timeout: float = 900) -> dict:
-    """Run the 2-rank fit under the census in a fresh process tree; the summary, the violations and the table."""
+def run_fit(steps: int, control: bool = False, python: str = sys.executable, timing: bool = False) -> list[dict]:
+    """The 2-rank fit in a fresh process tree under ``python``; each rank's step windows."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        cmd = [sys.executable, __file__, "--rank", str(work), *fit_args(work, steps, control)]
-        proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
+        cmd = [python, __file__, "--rank", str(work), *fit_args(work, steps, control)]
+        env = {**os.environ, **({"STEP_CENSUS_TIMING": "1"} if timing else {})}
+        proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=1800, env=env)
         files = [work / f"census_rank{r}.json" for r in range(2)]
         for _ in range(100):  # rank 1 may still be writing at exit
             if all(f.is_file() for f in files):
@@ -267,10 +284,22 @@ def census(steps: int = 26, control: bool = False, timeout: float = 900) -> dict
             time.sleep(0.1)
         if proc.returncode != 0 or not all(f.is_file() for f in files):
             raise RuntimeError(f"the census run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        summary = summarize(files)
+        # the first step also warms up (lazy inits); the last window also holds the end of training
+        return [json.loads(f.read_text())["steps"][1:-1] for f in files]
+
+
+def census(steps: int = 26, control: bool = False) -> dict:
+    """The census of a 2-rank fit: the summary, the violations of the typical step's budget and the table."""
+    summary = summarize(run_fit(steps, control))
     summary["violations"] = violations(summary)
     summary["table"] = markdown(summary)
     return summary
+
+
+def typical_seconds(steps: int, python: str) -> float:
+    """The median wall time of a typical step (the slower rank's), without the census' wrappers."""
+    ranks = run_fit(steps, python=python, timing=True)
+    return max(statistics.median(s["seconds"] for s in windows if not s["marks"]) for windows in ranks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,7 +316,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=26, help="optimizer steps of the fit")
     parser.add_argument("--control", action="store_true", help="add a per-step sync_dist=True log (the old loss log)")
     parser.add_argument("--out", default="benchmarks/results/step_census.json")
+    parser.add_argument(
+        "--timing",
+        nargs="*",
+        metavar="LABEL=PYTHON",
+        help="instead: the median typical step time (no wrappers), 60 steps, under each interpreter (e.g. "
+        "before=/tmp/old/bin/python after=python: an environment with another checkout installed)",
+    )
     args = parser.parse_args(argv)
+    if args.timing is not None:
+        runs = dict(item.split("=", 1) for item in args.timing) or {"this checkout": sys.executable}
+        seconds = {label: typical_seconds(60, python) for label, python in runs.items()}
+        first = next(iter(seconds.values()))
+        print("| code | typical 2-rank step (ms, median) | ratio |\n|---|---:|---:|")
+        print("\n".join(f"| {k} | {1000 * v:.1f} | {v / first:.2f} |" for k, v in seconds.items()))
+        Path(args.out).write_text(json.dumps({"command": " ".join(["python", __file__, *argv]), "seconds": seconds}))
+        return
     summary = census(args.steps, args.control)
     print(summary["table"])
     print("\nviolations of the typical step's budget:", *(summary["violations"] or ["none"]), sep="\n- ")

@@ -47,10 +47,10 @@ class Preemption(Callback):
     Agreement steps are the steps Lightning writes the loggers (every ``log_every_n_steps``), or every
     ``every_n_steps`` optimizer steps: the steps between make no collective and no host read (an all-reduce read on
     the host every step would stall a GPU every step). **Worst-case delay**: a signal is acted on within
-    ``every_n_steps`` (or ``log_every_n_steps``; every step when logging is off) steps of the step it arrived in —
-    keep that many steps well inside the time Slurm gives between SIGTERM and SIGKILL (``KillWait``, 30 s by default) and before the
-    requeue signal's deadline (``--signal=USR1@90``). One process needs no agreement and acts at the next step.
-    Lightning >= 2.6's own per-step SIGTERM broadcast is switched off while this callback runs
+    ``every_n_steps`` (or ``log_every_n_steps``; every step when logging is off) steps of the step it arrived in.
+    Keep that many steps well inside the time Slurm gives between SIGTERM and SIGKILL (``KillWait``, 30 s by
+    default) and before the requeue signal's deadline (``--signal=USR1@90``). One process needs no agreement and
+    acts at the next step. Lightning >= 2.6's own per-step SIGTERM broadcast is switched off while this callback runs
     (:func:`~lightning_muon.compat.skip_sigterm_broadcast`): its flag could never be set once the handlers are
     replaced. ``muon_fsdp`` adds this callback to a run that has none.
 

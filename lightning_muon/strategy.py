@@ -65,7 +65,7 @@ from lightning_muon.checkpoint import (
 )
 from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.shards import row_shard
-from lightning_muon.optim.transport import release_gloo_workers_at_exit
+from lightning_muon.optim.transport import note_gloo_collectives, release_gloo_workers_at_exit
 from lightning_muon.parallelize import Blocks, MixedPrecision, default_mp_policy, shard_transformer
 
 __all__ = ["MuonFSDPStrategy"]
@@ -195,6 +195,7 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        note_gloo_collectives()
         atexit.unregister(_destroy_process_group_at_exit)  # registered once per process
         atexit.register(_destroy_process_group_at_exit)
         if self.hsdp:

@@ -45,6 +45,7 @@ from lightning_muon.metrics.functional import (
 )
 from lightning_muon.metrics.images import check_images, normalize, to_unit_float
 from lightning_muon.metrics.reference import ReferenceCache, distributed
+from lightning_muon.optim.transport import note_gloo_collectives
 
 __all__ = [
     "FrechetDistance",
@@ -234,6 +235,7 @@ class _FeatureSetMetric(ReferenceCache, _FeatureLists):
         """``(rank, world)`` when the features were gathered over ranks (each computes its share), else ``(0, 1)``."""
         if self._is_synced and distributed():
             group = self.process_group
+            note_gloo_collectives(group)
             return dist.get_rank(group), dist.get_world_size(group)
         return 0, 1
 

@@ -42,6 +42,7 @@ from lightning_muon.metrics.evaluation import (
     suite_fields,
 )
 from lightning_muon.metrics.features import cache_dir
+from lightning_muon.optim.transport import note_gloo_collectives
 from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.module import DiTModule, checked_hparams
 from lightning_muon.recipes.networks import build_transformer, cast
@@ -206,6 +207,7 @@ def _init_distributed(device: str | None) -> torch.device:
         torch.cuda.set_device(rank_device)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=rank_device if cuda else None)
+        note_gloo_collectives()
     return rank_device
 
 

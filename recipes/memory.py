@@ -10,8 +10,12 @@ every GPU (frozen encoders) and an activation estimate — and the peak of an ev
   momentum per matrix; AdamW: two moments).
 - **FSDP**: the unsharded bf16 parameters of two blocks (FSDP2 prefetches the next block) and one block's unsharded
   fp32 gradient before its reduce-scatter.
-- **refresh**: the NS5 working set of a gather refresh: one bucket of bf16 momentum (``bucket_mb``) plus NS5
-  temporaries of the largest matrix (X, A = XXᵀ, B, in bf16).
+- **refresh**: the NS5 working set of a refresh: the buckets in flight at once — ``scatter`` (the optimizer's
+  default): one travelling to its owners, one in NS5, one's rows travelling back; ``gather``: one in NS5 while the next
+  is gathered — each ``bucket_mb``, plus NS5 temporaries of the largest matrix (X, A = XXᵀ, B, in bf16).
+- **adaptive**: the adaptive refresh schedule's reference momentum per matrix (fp32, sharded), when configured.
+- **telemetry**: ``OptimizerTelemetry`` on its logging steps — an fp32 copy of every shard before the step and the
+  step's change after it (two copies), when the callback is configured.
 - **frozen**: the VAE and text encoder, replicated in bf16 (nominal sizes of the published checkpoints, below).
 - **activations**: per block ``34·s·b·h`` bytes (self-attention + MLP with fused attention, bf16; Korthikanti et al.
   2022, without the s² term) plus ``10·s·b·h + 4·L·b·h`` for PixArt's cross-attention over L caption tokens; with
@@ -65,13 +69,23 @@ GIB = 2**30
 
 
 def _evaluation(config: dict) -> dict:
+    """The init args of the config's ``GenerationEvaluation`` ({} without one)."""
     for callback in config.get("trainer", {}).get("callbacks") or []:
         if str(callback.get("class_path", "")).endswith("GenerationEvaluation"):
             return callback.get("init_args", {})
     return {}
 
 
-def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
+#: buckets a sharded refresh holds at once, by transport (``lightning_muon.optim.transport``)
+BUCKETS_IN_FLIGHT = {"scatter": 3, "gather": 2}
+
+
+def _has_callback(config: dict, name: str) -> bool:
+    callbacks = config.get("trainer", {}).get("callbacks") or []
+    return any(str(c.get("class_path", "")).endswith(name) for c in callbacks)
+
+
+def memory_per_gpu(config: dict, bucket_mb: float = 64.0, refresh: str = "scatter") -> dict[str, float]:
     """Bytes per GPU (as GiB) of each part listed in the module docstring, for a loaded (stacked) config."""
     trainer, model_cfg = config.get("trainer", {}), config["model"]
     gpus = trainer.get("devices", 1) * trainer.get("num_nodes", 1)
@@ -89,7 +103,9 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
     fsdp = 2 * 2 * block + 4 * block
     largest = max(matrices, key=lambda p: p.numel())
     p_small = min(largest.shape)
-    refresh = bucket_mb * 2**20 + 2 * (largest.numel() + 2 * p_small * p_small + largest.numel())
+    refresh = BUCKETS_IN_FLIGHT[refresh] * bucket_mb * 2**20 + 2 * (2 * largest.numel() + 2 * p_small * p_small)
+    adaptive = 4 * muon / gpus if model_cfg.get("refresh_schedule") == "adaptive" else 0
+    telemetry = 2 * 4 * total / gpus if _has_callback(config, "OptimizerTelemetry") else 0
     frozen = sum(2 * NOMINAL_PARAMS[k] for k in ("vae_path", "text_encoder_path") if model_cfg.get(k))
     evaluation_args = _evaluation(config)
     networks = {METRIC_NETWORKS[m] for m in evaluation_args.get("metrics", []) if m in METRIC_NETWORKS}
@@ -106,7 +122,8 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0) -> dict[str, float]:
     checkpointing = bool(model_cfg.get("gradient_checkpointing"))
     per_block = block_activations(batch)
     activations = layers * 2 * s * batch * h + per_block if checkpointing else layers * per_block
-    parts = {"states": states, "fsdp": fsdp, "refresh": refresh, "frozen": frozen, "activations": activations}
+    parts = {"states": states, "fsdp": fsdp, "refresh": refresh, "adaptive": adaptive, "telemetry": telemetry}
+    parts |= {"frozen": frozen, "activations": activations}
     sampling = evaluation_args.get("batch_size", 250) * (2 if evaluation_args.get("guidance_scale", 1.0) != 1 else 1)
     eval_peak = states + fsdp + frozen + evaluation + block_activations(sampling) if evaluation_args else 0
     return {
@@ -127,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", help="config files; a+b stacks b on a")
     args = parser.parse_args(argv)
-    columns = ("states", "fsdp", "refresh", "frozen", "activations", "total", "eval", "eval peak")
+    columns = ("states", "fsdp", "refresh", "adaptive", "telemetry", "frozen", "activations", "total", "eval")
+    columns += ("eval peak",)
     print("| config | params | GPUs | batch/GPU | ckpt | " + " | ".join(columns) + " |")
     print("|---|---:|---:|---:|:---:|" + "---:|" * len(columns))
     for spec in args.configs:

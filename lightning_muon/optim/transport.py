@@ -41,7 +41,14 @@ from lightning_muon.optim.nonfinite import NonFiniteGradient, flags_ok
 from lightning_muon.optim.refresh import RefreshItem, buckets, measure, orthogonalize_items
 from lightning_muon.optim.shards import assign_owners
 
-__all__ = ["CommStats", "gather_refresh", "release_gloo_workers_at_exit", "scatter_refresh", "start_all_reduce"]
+__all__ = [
+    "CommStats",
+    "gather_refresh",
+    "note_gloo_collectives",
+    "release_gloo_workers_at_exit",
+    "scatter_refresh",
+    "start_all_reduce",
+]
 
 BRANCHES = ("refresh", "rownorm")
 #: what a refresh transport yields per bucket: the items, their new momenta, their local orthogonalized rows, the
@@ -55,16 +62,31 @@ SCALES = 2  # elements of refresh_scales
 GLOO_EXIT_GRACE = 0.5
 
 
+_carried_gloo = False
+
+
+def note_gloo_collectives(group: dist.ProcessGroup | None = None) -> None:
+    """Record that this package runs collectives on ``group`` (default: the world); on a gloo group (alone or in a
+    mixed ``"cpu:gloo,cuda:nccl"`` one) the exit hook gives gloo's workers their grace even when the script destroyed
+    the group itself — its Python objects (device meshes, works) and worker threads outlive ``destroy_process_group``
+    until the interpreter finalizes."""
+    global _carried_gloo
+    if not _carried_gloo and dist.is_available() and dist.is_initialized():
+        _carried_gloo = "gloo" in str(dist.get_backend(group))
+
+
 def release_gloo_workers_at_exit() -> None:
-    """An ``atexit`` hook (it runs before the interpreter finalizes): while a gloo process group is alive, give the
-    GIL away for a moment, so gloo worker threads still waiting for it finish destroying their finished works — the
-    backtrace of the abort it prevents: ``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` →
+    """An ``atexit`` hook (it runs before the interpreter finalizes): when a gloo process group is alive, or one
+    carried this package's collectives (:func:`note_gloo_collectives`, whoever destroyed it since), give the GIL away
+    for a moment, so gloo worker threads still waiting for it finish destroying their finished works — the backtrace
+    of the abort it prevents: ``ProcessGroupGloo::runLoop`` → ``~AsyncBarrierWork`` →
     ``~AsyncAllgatherCoalescedWork`` → ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` → ``take_gil`` →
     ``PyThread_exit_thread`` during ``Py_FinalizeEx`` → ``std::terminate``. Registered when this module is imported,
     so a process whose only collectives are a metric's sync is covered too (seen: a 3-rank reference-cache test)."""
     import time
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+    alive = dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
+    if alive or _carried_gloo:
         time.sleep(GLOO_EXIT_GRACE)
 
 
@@ -87,6 +109,7 @@ class CommStats:
         return {b: {"bytes_sent": 0, "bytes_received": 0, "collectives": 0} for b in BRANCHES}
 
     def add(self, branch: str, sent: int, received: int) -> None:
+        note_gloo_collectives()
         entry = self._stats[branch]
         entry["bytes_sent"] += int(sent)
         entry["bytes_received"] += int(received)

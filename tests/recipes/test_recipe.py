@@ -491,8 +491,16 @@ def test_memory_estimate_counts_every_part_and_the_big_configs_fit_an_80gb_gpu()
     for name in ("t2i_9b", "t2i_15b"):
         config = load_config(*SHIPPED_CONFIGS[name])
         r = memory_per_gpu(config)
-        parts = ("states", "fsdp", "refresh", "frozen", "activations")
+        parts = ("states", "fsdp", "refresh", "adaptive", "telemetry", "frozen", "activations")
         assert r["total"] == pytest.approx(sum(r[p] for p in parts)) and r["total"] < 75, r
+        # telemetry's two fp32 copies of the shards on its logging steps; the adaptive schedule's reference momenta
+        assert r["telemetry"] == pytest.approx(8 * r["params_B"] * 1e9 / r["gpus"] / 2**30) and r["adaptive"] == 0
+        adaptive = {**config, "model": {**config["model"], "refresh_schedule": "adaptive"}}
+        assert 0 < memory_per_gpu(adaptive)["adaptive"] < r["telemetry"] / 2
+        # scatter holds three buckets at once, gather two (64 MiB each)
+        assert memory_per_gpu(config, refresh="scatter")["refresh"] - memory_per_gpu(config, refresh="gather")[
+            "refresh"
+        ] == pytest.approx(64 / 1024)
         assert r["frozen"] > 8.5  # T5-XXL in bf16
         # DINOv2-L, Inception, CLIP-L and ViT-H in fp32 (6.5 GiB) and the 8B judge in bf16 (16.3 GiB)
         assert r["eval"] == pytest.approx((4 * (304.4e6 + 23.9e6 + 427.9e6 + 986.1e6) + 2 * 8.767e9) / 2**30)
