@@ -27,6 +27,19 @@ os.environ["PYTHONWARNINGS"] = ",".join(
 )
 
 
+@pytest.fixture(scope="session")
+def digits_cache(tmp_path_factory) -> Path:
+    """A feature cache with the digits classifier trained (once per session: about a minute on 2 cores); a test
+    points ``LIGHTNING_MUON_CACHE`` at it."""
+    from lightning_muon.metrics import DigitsFeatures
+
+    path = tmp_path_factory.mktemp("digits_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LIGHTNING_MUON_CACHE", str(path))
+        DigitsFeatures()
+    return path
+
+
 @pytest.fixture
 def dit():
     return tiny_dit()

@@ -439,3 +439,59 @@ def tiny_vlm_judge(path, seed: int = 0, logit_scale: float = 40.0):
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
+
+
+def fork_ranks(fn, world_size: int, timeout: float, *args) -> list[dict]:
+    """Fork ``world_size`` ranks with the environment torchrun gives its workers (Lightning and ``evaluate`` see an
+    externally launched job), each running ``fn(rank, world_size, *args)`` with its output in a log file. Per rank:
+    its exit ``code`` (1 for an exception, a ``SystemExit``'s code, ``"hung"`` when still running after ``timeout``
+    seconds — then killed), the ``seconds`` from the start until it exited and its ``log``."""
+    import os
+    import signal
+    import sys
+    import tempfile
+    import time
+    import traceback
+
+    port, start, pids = free_port(), time.time(), {}
+    logs = tempfile.mkdtemp(prefix="ranks_")
+    for rank in range(world_size):
+        pid = os.fork()
+        if pid == 0:  # the rank
+            log = open(f"{logs}/rank{rank}.log", "w", buffering=1)
+            os.dup2(log.fileno(), 1)
+            os.dup2(log.fileno(), 2)
+            sys.stdout = sys.stderr = log  # pytest's capture replaced them; logging's handlers write here too
+            os.environ.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", TORCHELASTIC_RUN_ID="test",
+            )  # fmt: skip
+            code = 0
+            try:
+                torch.set_num_threads(1)
+                fn(rank, world_size, *args)
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        pids[rank] = pid
+    out: dict[int, dict] = {}
+    while len(out) < world_size:
+        for rank, pid in pids.items():
+            if rank in out:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                out[rank] = {"code": os.waitstatus_to_exitcode(status), "seconds": time.time() - start}
+            elif time.time() - start > timeout:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                out[rank] = {"code": "hung", "seconds": time.time() - start}
+        time.sleep(0.05)
+    for rank in out:
+        out[rank]["log"] = open(f"{logs}/rank{rank}.log").read()
+    return [out[r] for r in range(world_size)]

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from dist_workers import generation_eval_worker
-from helpers import SMALL_DIT, run_distributed
+from helpers import SMALL_DIT, TINY_DIT, fork_ranks, run_distributed
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -23,11 +23,9 @@ from lightning_muon.recipes.trust import checkpoint_meta
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory, monkeypatch_module):
-    path = tmp_path_factory.mktemp("cache")
-    monkeypatch_module.setenv("LIGHTNING_MUON_CACHE", str(path))  # the digits classifier is trained once here
-    DigitsFeatures()
-    return path
+def cache(digits_cache, monkeypatch_module):
+    monkeypatch_module.setenv("LIGHTNING_MUON_CACHE", str(digits_cache))  # the session's trained digits classifier
+    return digits_cache
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +196,33 @@ def test_ddp_evaluation_equals_single_process(cache, tmp_path):
         assert values.keys() == single.keys()
         for key, value in single.items():
             assert values[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def _fit_without_checkpointing(rank, world, root):
+    """A 2-rank muon_fsdp fit with an evaluation at its last step and no checkpoint callback (metrics.jsonl goes to
+    ``trainer.log_dir``, which Lightning broadcasts)."""
+    from lightning_muon.recipes.module import DiTModule
+
+    evaluation = GenerationEvaluation(
+        metrics=["fd_digits"], every_n_steps=2, num_samples=16, num_inference_steps=2, batch_size=16, grid_size=4,
+        progress=False,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy="muon_fsdp", max_steps=2, enable_checkpointing=False,
+        logger=TensorBoardLogger(root), enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        callbacks=[evaluation],
+    )  # fmt: skip
+    trainer.fit(DiTModule(model_config=TINY_DIT), DigitsDataModule(batch_size=8))
+
+
+@pytest.mark.distributed
+def test_an_evaluation_without_checkpointing_publishes_on_2_ranks(cache, tmp_path):
+    """With checkpointing off the evaluation's folder is ``trainer.log_dir`` — a broadcast, made by every rank (it was
+    made by rank 0 alone, inside its publishing branch: a hang or a mismatched collective)."""
+    ranks = fork_ranks(_fit_without_checkpointing, 2, 240, str(tmp_path))
+    assert [r["code"] for r in ranks] == [0, 0], ranks[0]["log"][-3000:] + ranks[1]["log"][-3000:]
+    rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in rows] == [2]
 
 
 def test_evaluate_two_runs_writes_csv_markdown_png_and_resumes(cache, tmp_path):

@@ -5,6 +5,7 @@ Each payload is a pickle whose loading would create ``marker``: the loaders must
 appear; the controls show that torch's / torch-fidelity's own loaders do run it (so the payloads are live).
 """
 
+import csv
 import json
 import os
 import pickle
@@ -16,7 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import TINY_DIT, free_port, random_inception_state_dict, tiny_dinov2, tiny_open_clip_config, tiny_vae
+from helpers import (
+    TINY_DIT,
+    fork_ranks,
+    free_port,
+    random_inception_state_dict,
+    tiny_dinov2,
+    tiny_open_clip_config,
+    tiny_vae,
+)
 
 from lightning_muon.checkpoint import (
     atomic_write,
@@ -436,3 +445,63 @@ def test_evaluate_reports_a_damaged_checkpoint_and_goes_on(tmp_path, monkeypatch
     assert info.value.code == 1
     errors = (tmp_path / "eval" / "errors.txt").read_text()
     assert "step=1.ckpt" in errors and "step=2.ckpt" in errors and "missing or truncated" in errors
+
+
+def _tiny_checkpoint(path: Path, step: int) -> None:
+    """What ``lightning-muon fit`` writes for the tiny DiT, without training."""
+    from lightning_muon.recipes.module import DiTModule
+
+    module = DiTModule(model_config=TINY_DIT)
+    module.configure_model()
+    state = {f"model.{k}": v for k, v in module.model.state_dict().items()}
+    state |= {f"ema.{k}": v for k, v in module.ema.state_dict().items()}
+    torch.save({"state_dict": state, "hyper_parameters": dict(module.hparams), "global_step": step}, path)
+
+
+def _evaluate_failing_on_rank_1(rank, world, run, out, where):
+    """``evaluate`` under torchrun's environment, rank 1 failing on ``step=1.ckpt`` — at its load or in its scoring."""
+    from lightning_muon.recipes import evaluate
+
+    if where == "load":
+        load = evaluate.load_generator
+
+        def load_generator(path, *args, **kwargs):
+            if rank == 1 and path.name == "step=1.ckpt":
+                raise OSError(f"rank {rank} cannot read {path.name}")
+            return load(path, *args, **kwargs)
+
+        evaluate.load_generator = load_generator
+    else:
+        score = evaluate._score
+
+        def _score(module, meta, *args):
+            if rank == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+            return score(module, meta, *args)
+
+        evaluate._score = _score
+    evaluate.main([run, "--out", out, "--metrics", "fd_digits", "--num-samples", "8", "--num-inference-steps", "1"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["load", "scoring"])
+def test_evaluate_on_2_ranks_ends_every_rank_together_when_one_fails(digits_cache, tmp_path, monkeypatch, where):
+    """One rank cannot load a checkpoint: every rank skips it together (the error named with its rank) and scores
+    the next. One rank fails while scoring (an OOM): every rank ends within seconds, the error in that rank's output.
+    (Each rank used to catch its own failure and go on to the next checkpoint while the others waited in the
+    metric all-gather: a hang, or samples of two checkpoints mixed.)"""
+    monkeypatch.setenv("LIGHTNING_MUON_CACHE", str(digits_cache))
+    run, out = tmp_path / "run", tmp_path / "eval"
+    run.mkdir()
+    for step in (1, 2):
+        _tiny_checkpoint(run / f"step={step}.ckpt", step)
+    ranks = fork_ranks(_evaluate_failing_on_rank_1, 2, 180, str(run), str(out), where)
+    logs = "\n".join(r["log"][-2000:] for r in ranks)
+    assert all(r["code"] not in (0, "hung") for r in ranks), logs
+    assert max(r["seconds"] for r in ranks) - min(r["seconds"] for r in ranks) < 20, ranks
+    if where == "load":
+        assert "rank 1: OSError: rank 1 cannot read step=1.ckpt" in (out / "errors.txt").read_text()
+        steps = [int(row["step"]) for row in csv.DictReader((out / "results.csv").open())]
+        assert steps == [2]  # the next checkpoint, scored by both ranks together
+    else:
+        assert "CUDA out of memory (planted)" in ranks[1]["log"]  # the error, named in the failing rank's output

@@ -194,14 +194,10 @@ def test_every_hyperparameter_a_checkpoint_can_carry_is_plain_data():
 
 # ------------------------------------------------------------------------------------------- evaluate's sweep
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    from lightning_muon.metrics import DigitsFeatures
-
-    path = tmp_path_factory.mktemp("cache")
+def cache(digits_cache):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("LIGHTNING_MUON_CACHE", str(path))  # the digits classifier is trained once here
-        DigitsFeatures()
-        yield path
+        mp.setenv("LIGHTNING_MUON_CACHE", str(digits_cache))  # the session's trained digits classifier
+        yield digits_cache
 
 
 def save_checkpoint(path, step, **hparams):
