@@ -26,6 +26,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "dcp_set_element",
     "hpc_save_path",
+    "init_fake_process_group",
     "logging_this_step",
     "materialize_distributed_module",
     "optimizers_to_device",
@@ -116,6 +117,15 @@ def abort_process_group(group: Any = None) -> None:
     from torch.distributed.distributed_c10d import _abort_process_group
 
     _abort_process_group(group)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """torch's fake process group as the default group: this one process is rank ``rank`` of ``world_size``, every
+    collective returns at once without data (``torch.testing._internal.distributed.fake_pg``: what torch's own
+    sharding tests trace with; no public equivalent). ``doctor`` steps the sharded transports with it on one GPU."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:

@@ -22,7 +22,12 @@ to a JSON file:
   ranks on a CPU), K+1 steps in scatter and in gather mode with a NaN planted on one rank at step 2 (every rank must
   skip it), a distributed checkpoint, and resumes on 2 and on 1 rank; compared with one rank and with an
   uninterrupted run (bf16 tolerance on CUDA) — :mod:`lightning_muon.recipes.doctor_worker`.
-- **no host sync** (CUDA): the sharded fit's steps after the second under ``torch.cuda.set_sync_debug_mode("error")``.
+- **transports**: both sharded refresh transports (gather, scatter) as rank 0 of 8 over torch's fake process group
+  in one process — real kernels on this device, collectives without data — under
+  ``torch.cuda.set_sync_debug_mode("error")`` on CUDA: on a single GPU too, where the multi-rank checks are skipped.
+- **no host sync** (CUDA): the loop users run — ``lightning-muon fit`` of the default recipe with every callback the
+  CLI adds, ``muon_fsdp`` on the node's GPUs (up to 2) — with its typical steps (not logging, evaluating, saving or
+  validating) under ``torch.cuda.set_sync_debug_mode("error")``.
 - **evaluate**: ``lightning-muon evaluate`` under torchrun on 2 ranks of the sharded fit's checkpoint, 5 samples
   (not divisible by the world size), against the same evaluation in one process.
 - **failure**: one of 2 ranks raises; the seconds until every rank has exited, its error in the output.
@@ -59,6 +64,7 @@ CHECKS = (
     "train step",
     "memory",
     "sharded fit",
+    "transports",
     "no host sync",
     "evaluate",
     "failure",
@@ -297,10 +303,28 @@ def train_step(device: torch.device, config: str | None = None) -> Result:
     return Result("train step", "ok", detail, figures)
 
 
+def _score_with_metric_networks(images: torch.Tensor, device: torch.device, chunk: int = 32) -> None:
+    """What an evaluation adds to sampling: FD-DINOv2's ViT-L/14 and FID's InceptionV3 on the device, in fp32 (their
+    architectures, random weights: the memory is the same), features of ``images`` in chunks of ``chunk``."""
+    import torchvision
+    from transformers import Dinov2Config, Dinov2Model
+
+    vit_l = Dinov2Config(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+    networks = [
+        (Dinov2Model(vit_l).to(device).eval(), 224),
+        (torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=False).to(device).eval(), 299),
+    ]
+    rgb = images[:, :1].float().div(255).expand(-1, 3, -1, -1)  # any channel count (latents without a VAE)
+    with torch.no_grad():
+        for network, size in networks:
+            for part in rgb.split(chunk):
+                network(torch.nn.functional.interpolate(part.to(device), size=(size, size), mode="bilinear"))
+
+
 def memory(device: torch.device, config: str | None = None, guidance: float = 1.5) -> Result:
-    """Peak memory of the shrunken config's training step and of sampling one batch with guidance, against the
-    estimate of the same model on one GPU (states + refresh + activations; states + one block's sampling
-    activations)."""
+    """Peak memory of the shrunken config's training step and of an evaluation — sampling one batch with guidance,
+    then FD-DINOv2's and FID's networks on it — against the estimate of the same model on one GPU (states + refresh
+    + telemetry + activations; states + the metric networks + one block's sampling activations)."""
     if device.type != "cuda":
         return Result("memory", "skipped", "max_memory_allocated needs CUDA")
     from lightning_muon.recipes.memory import GIB, memory_per_gpu
@@ -314,9 +338,15 @@ def memory(device: torch.device, config: str | None = None, guidance: float = 1.
     module.zero_grad(set_to_none=True)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        module.generate(torch.arange(batch) % model["num_classes"], list(range(batch)), 2, guidance, batch_size=batch)
+        images = module.generate(
+            torch.arange(batch) % model["num_classes"], list(range(batch)), 2, guidance, batch_size=batch
+        )
+    _score_with_metric_networks(images, device)
     eval_peak = torch.cuda.max_memory_allocated(device) / GIB
-    sampling = {"class_path": "GenerationEvaluation", "init_args": {"batch_size": batch, "guidance_scale": guidance}}
+    sampling = {
+        "class_path": "GenerationEvaluation",
+        "init_args": {"batch_size": batch, "guidance_scale": guidance, "metrics": ["fd_dinov2", "fid"]},
+    }
     shrunk = {
         "trainer": {"devices": 1, "callbacks": [sampling]},
         "model": model,
@@ -325,7 +355,7 @@ def memory(device: torch.device, config: str | None = None, guidance: float = 1.
     estimate = memory_per_gpu(shrunk)
     figures = {
         "train_peak_GiB": train_peak,
-        "train_estimate_GiB": estimate["states"] + estimate["refresh"] + estimate["activations"],
+        "train_estimate_GiB": sum(estimate[k] for k in ("states", "refresh", "adaptive", "telemetry", "activations")),
         "eval_peak_GiB": eval_peak,
         "eval_estimate_GiB": estimate["eval peak"] - estimate["fsdp"],  # one GPU: no unsharded copies
     }
@@ -411,12 +441,57 @@ def sharded_fit(device: torch.device, work: Path) -> Result:
     return Result("sharded fit", "FAILED" if bad else "ok", "; ".join(bad) or detail, figures)
 
 
+def transports(device: torch.device, work: Path) -> Result:
+    out = work / "transports"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_muon.recipes.doctor_worker", "transports", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        return Result("transports", "FAILED", _tail(proc))
+    counts = json.loads((out / "transports.json").read_text())["collectives"]
+    watched = "under set_sync_debug_mode('error')" if device.type == "cuda" else "(the sync check needs CUDA)"
+    detail = f"gather and scatter, 4 steps as rank 0 of 8 {watched}: collectives {counts}"
+    figures = {f"{t}_{b}_collectives": n for t, c in counts.items() for b, n in c.items()}
+    return Result("transports", "ok", detail, figures)
+
+
+#: the default recipe's busy steps in the "no host sync" run: logging 5, evaluation 8, checkpoints 10, validation 12
+BUSY_EVERY = (5, 8, 10, 12)
+SYNC_DEBUG_RUN = f"""
+trainer:
+  accelerator: gpu
+  strategy: muon_fsdp
+  max_steps: 16
+  log_every_n_steps: {BUSY_EVERY[0]}
+  val_check_interval: {BUSY_EVERY[3]}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {{every_n_train_steps: {BUSY_EVERY[2]}, save_last: true}}
+    - class_path: lightning_muon.callbacks.GenerationEvaluation
+      init_args: {{every_n_steps: {BUSY_EVERY[1]}, num_samples: 101, num_inference_steps: 3, batch_size: 32}}
+    - class_path: lightning_muon.callbacks.OptimizerTelemetry
+    - class_path: lightning.pytorch.callbacks.LearningRateMonitor
+      init_args: {{logging_interval: step}}
+    - class_path: lightning_muon.recipes.doctor_worker.SyncDebug
+      init_args: {{busy_every: {list(BUSY_EVERY)}}}
+"""
+
+
 def no_host_sync(device: torch.device, work: Path) -> Result:
     if device.type != "cuda":
         return Result("no host sync", "skipped", "CUDA's sync debug mode needs a GPU")
-    world = _ranks(device) or 1
-    _worker(world, work / "sync_debug", "--steps", "5", "--sync-debug")
-    return Result("no host sync", "ok", f"steps 3-5 on {world} GPUs under set_sync_debug_mode('error')", {})
+    from lightning_muon.recipes.cli import CONFIGS
+
+    world = min(torch.cuda.device_count(), 2)
+    run = work / "sync_debug"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "run.yaml").write_text(SYNC_DEBUG_RUN + f"  devices: {world}\n  default_root_dir: {run}\n")
+    args = ["fit", "--config", str(CONFIGS / "digits_tiny.yaml"), "--config", str(run / "run.yaml")]
+    proc = _torchrun(world, "lightning_muon.recipes.cli", args)
+    if proc.returncode != 0:
+        return Result("no host sync", "FAILED", f"exited {proc.returncode}: {_tail(proc)}")
+    detail = f"lightning-muon fit on {world} GPU(s): the typical steps of 16 under set_sync_debug_mode('error')"
+    return Result("no host sync", "ok", detail, {"world": world})
 
 
 def evaluate_check(device: torch.device, work: Path) -> Result:
@@ -478,6 +553,7 @@ def run_checks(
         "train step": lambda: train_step(device, config),
         "memory": lambda: memory(device, config),
         "sharded fit": lambda: sharded_fit(device, work),
+        "transports": lambda: transports(device, work),
         "no host sync": lambda: no_host_sync(device, work),
         "evaluate": lambda: evaluate_check(device, work),
         "failure": lambda: failure(device, work),

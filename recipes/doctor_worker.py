@@ -9,10 +9,14 @@ NaN planted in one gradient of the last rank at step 2 (every rank must skip tha
 checkpoint ``OUT/last.ckpt`` (or resumes from ``--ckpt-path``) and writes the full parameters and what every rank
 saw. Its initial weights, noise, timesteps and data do not depend on the number of ranks, so runs on any number of
 ranks train the same model.
-``--sync-debug`` runs the steps after the second under ``torch.cuda.set_sync_debug_mode("error")``.
 
 ``fail`` raises on the last rank at step 2 and writes when it did: the doctor times how long the other ranks take to
 exit.
+
+``transports`` (one process, no torchrun) steps both sharded refresh transports as rank 0 of 8 over torch's fake
+process group: on a single GPU, what the multi-rank checks cannot run.
+
+    python -m lightning_muon.recipes.doctor_worker transports --out DIR
 """
 
 from __future__ import annotations
@@ -92,13 +96,27 @@ class PlantNaN(Callback):
 
 
 class SyncDebug(Callback):
-    """CUDA's sync debug mode "error" from the third step's start to its end, and every step after."""
+    """CUDA's sync debug mode "error" over the typical steps after the second — from a step's start to the next
+    step's start, so Lightning's work after the callbacks is watched too — and "default" over the busy steps (optimizer
+    steps that a multiple of one of ``busy_every``: the run's logging, evaluation, checkpoint and validation steps,
+    which may read on the host) and after training.
+
+    Args:
+        busy_every: intervals of the run's busy steps.
+    """
+
+    def __init__(self, busy_every: list[int] | None = None) -> None:
+        self.busy_every = busy_every or []
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step >= 2:
-            torch.cuda.set_sync_debug_mode("error")
+        step = trainer.global_step + 1  # the optimizer step about to run
+        typical = step > 2 and not any(step % n == 0 for n in self.busy_every)
+        torch.cuda.set_sync_debug_mode("error" if typical else "default")
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
@@ -134,7 +152,7 @@ def trainer_for(args: argparse.Namespace, callbacks: list[Callback]) -> L.Traine
 
 def fit(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    callbacks: list[Callback] = [PlantNaN(NAN_STEP)] + ([SyncDebug()] if args.sync_debug else [])
+    callbacks: list[Callback] = [PlantNaN(NAN_STEP)]
     if args.save:  # as a run saves: at its last step, during training
         callbacks.append(ModelCheckpoint(dirpath=out, every_n_train_steps=args.steps, save_last=True, save_top_k=0))
     trainer = trainer_for(args, callbacks)
@@ -164,19 +182,60 @@ def fail(args: argparse.Namespace) -> None:
         raise
 
 
+#: the transports' matrices: tall, wide, square, fewer rows than ranks (empty shards), one row, uneven — 10, so every
+#: rank of 8 owns a refresh (the fake group checks the exchange's buffers of this rank only)
+SHAPES = [(64, 32), (32, 64), (40, 40), (3, 64), (1, 48), (13, 24), (48, 48), (24, 56), (56, 24), (30, 30)]
+
+
+def transports(args: argparse.Namespace) -> None:
+    """Both sharded refresh transports as rank 0 of 8 over torch's fake process group, on this process's one device
+    (collectives return without data: placement, kernels and host syncs are what is checked): ``SHAPES`` sharded
+    with FSDP2, K = 3, four steps; on CUDA every step after the first under
+    ``torch.cuda.set_sync_debug_mode("error")``. Writes the collectives each transport made."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_muon import PeriodicRowwiseMuon, compat
+
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    compat.init_fake_process_group(rank=0, world_size=8)
+    mesh = init_device_mesh(on.type, (8,))
+    counts = {}
+    for refresh in ("gather", "scatter"):
+        g = torch.Generator().manual_seed(0)
+        module = nn.Module()
+        module.weights = nn.ParameterList(nn.Parameter(torch.randn(shape, generator=g).to(on)) for shape in SHAPES)
+        fully_shard(module, mesh=mesh)
+        params = list(module.weights)
+        opt = PeriodicRowwiseMuon(params, period=3, refresh=refresh)  # one bucket: this rank owns a refresh in it
+        for step in range(4):
+            for p in params:
+                p.grad = p.detach() * 0.01 + 1.0
+            if on.type == "cuda" and step:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.step()
+            finally:
+                if on.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        counts[refresh] = {branch: stats["collectives"] for branch, stats in opt.comm_stats().items()}
+    torch.distributed.destroy_process_group()
+    (Path(args.out) / "transports.json").write_text(json.dumps({"device": on.type, "collectives": counts}))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lightning_muon.recipes.doctor_worker", description=__doc__)
-    parser.add_argument("check", choices=["fit", "fail"])
+    parser.add_argument("check", choices=["fit", "fail", "transports"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--refresh", default="scatter", choices=["scatter", "gather"])
     parser.add_argument("--ckpt-path", default=None)
     parser.add_argument("--save", action="store_true", help="save a distributed checkpoint OUT/last.ckpt at the end")
-    parser.add_argument("--sync-debug", action="store_true")
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    (fit if args.check == "fit" else fail)(args)
+    {"fit": fit, "fail": fail, "transports": transports}[args.check](args)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,16 @@ def test_process_group_internals():
             dist.destroy_process_group()
 
 
+def test_fake_process_group():
+    compat.init_fake_process_group(rank=5, world_size=8)
+    try:
+        x = torch.ones(3)
+        dist.all_reduce(x)  # returns at once, without data
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 8) and torch.equal(x, torch.ones(3))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_torch_muon_orthogonalize_matches_ours():
     from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS, newton_schulz
 

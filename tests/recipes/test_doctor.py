@@ -30,6 +30,7 @@ def test_doctor_runs_its_cpu_checks_and_writes_every_figure(tmp_path):
         "memory": "skipped",  # max_memory_allocated needs CUDA
         "no host sync": "skipped",  # CUDA's sync debug mode
     }
+    assert rows["transports"]["figures"]["scatter_refresh_collectives"] > 0
     assert rows["memory"]["detail"] == "max_memory_allocated needs CUDA"
     fit = rows["sharded fit"]["figures"]  # on 2 gloo CPU ranks, fp32: the same model whatever the rank count
     assert fit["world"] == 2 and all(v <= 1e-4 for k, v in fit.items() if k.endswith("_rel"))
@@ -48,9 +49,18 @@ def test_doctor_reports_a_wrong_optimizer_and_goes_on(tmp_path):
     bad = doctor.optimizer(torch.device("cpu"), ns_steps=4)
     assert bad.status == "FAILED" and "vs_torch_muon_rel" in bad.detail
     assert doctor.optimizer(torch.device("cpu")).status == "ok"
-    multi_process = {"sharded fit", "evaluate", "failure"}
+    multi_process = {"sharded fit", "transports", "evaluate", "failure"}
     results = doctor.run_checks(torch.device("cpu"), [64], skip={"fused", "train step", "ns5"} | multi_process)
-    assert [r.status for r in results] == ["ok", "ok", "ok"] + ["skipped"] * 9
+    assert [r.status for r in results] == ["ok", "ok", "ok"] + ["skipped"] * 10
+
+
+def test_doctor_steps_both_transports_as_rank_0_of_8_in_one_process(tmp_path):
+    """The row a single GPU gets (on a CPU without the sync check): both transports over torch's fake 8-rank group;
+    the RowNorm steps all-reduce, the refresh steps exchange (scatter: to owners and back)."""
+    row = doctor.transports(torch.device("cpu"), tmp_path)
+    assert row.status == "ok", row.detail
+    assert row.figures["scatter_refresh_collectives"] > row.figures["gather_refresh_collectives"] > 0
+    assert row.figures["gather_rownorm_collectives"] > 0 and "sync check needs CUDA" in row.detail
 
 
 @pytest.mark.gpu
