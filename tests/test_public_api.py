@@ -72,3 +72,27 @@ def test_geneval2_is_exported_and_a_name_left_out_is_caught():
 
     without = [n for n in metrics.__all__ if n != "GenEval2"]  # the control
     assert missing_from_all("lightning_muon.metrics", without) == ["GenEval2"]
+
+
+def test_the_core_import_loads_nothing_lightning_does_not():
+    """``import lightning_muon`` (the optimizer, the grouping, ``strategy="muon_fsdp"``) adds no module beyond ``import
+    lightning``'s but its own and Lightning's (an alias of one of its plugins): not the recipe's stack (diffusers, open_clip, scikit-learn, jsonargparse), not
+    torch.distributed.checkpoint (imported when a Trainer builds the strategy). Control: the callbacks package's
+    evaluation brings the metrics."""
+    import subprocess
+    import sys
+
+    probe = """
+import sys, lightning
+before = set(sys.modules)
+import lightning_muon
+import lightning_muon.callbacks.preemption  # what muon_fsdp adds to a run
+{extra}
+print(sorted(m for m in set(sys.modules) - before if not m.startswith(("lightning_muon", "lightning."))))
+print(sorted(m for m in ("diffusers", "open_clip", "sklearn", "jsonargparse") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", probe.format(extra="")], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["[]", "[]"], out.stdout
+    control = probe.format(extra="lightning_muon.callbacks.GenerationEvaluation")
+    out = subprocess.run([sys.executable, "-c", control], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[0] != "[]"
