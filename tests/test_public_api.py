@@ -87,12 +87,11 @@ import sys, lightning
 before = set(sys.modules)
 import lightning_muon
 import lightning_muon.callbacks.preemption  # what muon_fsdp adds to a run
-{extra}
-print(sorted(m for m in set(sys.modules) - before if not m.startswith(("lightning_muon", "lightning."))))
+new = lambda: sorted(m for m in set(sys.modules) - before if not m.startswith(("lightning_muon", "lightning.")))
+print(new())
 print(sorted(m for m in ("diffusers", "open_clip", "sklearn", "jsonargparse") if m in sys.modules))
+lightning_muon.callbacks.GenerationEvaluation  # the control
+print(bool(new()))
 """
-    out = subprocess.run([sys.executable, "-c", probe.format(extra="")], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == ["[]", "[]"], out.stdout
-    control = probe.format(extra="lightning_muon.callbacks.GenerationEvaluation")
-    out = subprocess.run([sys.executable, "-c", control], capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines()[0] != "[]"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["[]", "[]", "True"], out.stdout
