@@ -76,9 +76,9 @@ def test_geneval2_is_exported_and_a_name_left_out_is_caught():
 
 def test_the_core_import_loads_nothing_lightning_does_not():
     """``import lightning_muon`` (the optimizer, the grouping, ``strategy="muon_fsdp"``) adds no module beyond ``import
-    lightning``'s but its own and Lightning's (an alias of one of its plugins): not the recipe's stack (diffusers, open_clip, scikit-learn, jsonargparse), not
-    torch.distributed.checkpoint (imported when a Trainer builds the strategy). Control: the callbacks package's
-    evaluation brings the metrics."""
+    lightning``'s but its own and Lightning's (an alias of one of its plugins): not the recipe's stack (diffusers,
+    open_clip, scikit-learn, jsonargparse), not torch.distributed.checkpoint (imported when a Trainer builds the
+    strategy). Control: the callbacks package's evaluation brings the metrics."""
     import subprocess
     import sys
 

@@ -152,8 +152,8 @@ def cli_classes():
     from lightning_muon.strategy import MuonFSDPStrategy
 
     found = [DiTModule, MuonFSDPStrategy, MixedPrecision]
-    for module in (callbacks, data):
-        for obj in vars(module).values():
+    for module in (callbacks, data):  # the callbacks package imports its members on first use: ask for each by name
+        for obj in (getattr(module, name) for name in getattr(module, "__all__", vars(module))):
             if inspect.isclass(obj) and issubclass(obj, (L.Callback, L.LightningDataModule)):
                 found.append(obj)
     return found
