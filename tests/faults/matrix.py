@@ -343,7 +343,7 @@ class Matrix:
         message = "every rank stopped before step 5" if agreed else f"ranks stopped at {stopped}"
         run, fault = f"Trainer(strategy='muon_fsdp'), {ranks} ranks", "SIGTERM to one rank (step 3)"
         expect = (143, "every rank stopped before step 5")
-        self.add(run, fault, proc, expect, on_disk=f"stops: {stopped}", message=message)
+        self.add(run, fault, proc, expect, on_disk=f"stops: {stopped}", message=message, resume="n/a (no checkpoint)")
 
     def damaged_rows(self, ranks: int) -> None:
         """The uninterrupted run's checkpoints with step 4 truncated and steps 6 / last gone: resuming from the
