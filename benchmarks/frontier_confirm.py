@@ -188,6 +188,21 @@ def _fmt(x: Any, spec: str = ".3g") -> str:
     return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
+def compute_line(rows: list[dict[str, Any]]) -> str:
+    """Training seconds spent, per role: each unit (arm, lr, seed) counted once, at its longest budget's clock (one
+    thread per unit; evaluation not counted)."""
+    longest: dict[tuple, float] = {}
+    for r in rows:
+        key = (r["role"], r["arm"], _lr(r["lr"]), int(r["seed"]))
+        longest[key] = max(longest.get(key, 0.0), float(r["wall_seconds"]))
+    hours = {role: sum(s for k, s in longest.items() if k[0] == role) / 3600 for role in ("tune", "confirm")}
+    units = {role: sum(k[0] == role for k in longest) for role in hours}
+    return (
+        f"Compute: {units['tune']} tuning units, {hours['tune']:.1f} CPU-hours of training; {units['confirm']} "
+        f"confirmatory units, {hours['confirm']:.1f} CPU-hours (one thread per unit; evaluation not counted)."
+    )
+
+
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> str:
     """``frontier_confirm.md`` and ``frontier_confirm_fd_vs_lr.png``; returns the page."""
     grids, chosen, _ = choose(rows)
@@ -197,6 +212,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> s
         "",
         f"Protocol: `benchmarks/frontier_confirm.py` (PLAN, committed before the first confirmatory row). "
         f"Command: `{getattr(args, 'command', '')}`; machine: {getattr(args, 'machine', '')}.",
+        "",
+        compute_line(rows),
         "",
         "## Learning rates chosen on the tuning seeds' FD",
         "",

@@ -56,6 +56,9 @@ class Frontier:
     def values(self, arm: str, T: int, column: str) -> list[float]:
         return [_f(r[column]) for r in self.cell(arm, T)]
 
+    def by_seed(self, arm: str, T: int, column: str) -> dict[int, float]:
+        return {int(r["seed"]): _f(r[column]) for r in self.cell(arm, T)}
+
     def text(self, arm: str, T: int, column: str, digits: int) -> str:
         xs = self.values(arm, T, column)
         if not xs:
@@ -102,6 +105,11 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
         f"(arm, lr, seed) branching a {args.decay_fraction:g}-of-budget linear decay at every budget; the lr of each "
         f"(arm, budget) chosen by validation loss on seeds {args.tune_seeds}, reported on seeds {args.seeds}).",
         "",
+        "**Exploratory.** The marks below are unpaired, uncorrected 2-SE screens (|Δ| > 2·√(SE₁² + SE₂²), about "
+        "p < 0.08 at 5 seeds) over many comparisons; the section *Corrected for the comparisons made* says which "
+        "survive a paired test with Holm's correction. Claims rest on the confirmatory run "
+        "(`frontier_confirm.md`, fresh seeds, hypotheses committed first).",
+        "",
         "Mean ± SE over the reported seeds at each budget's own lr. `*`: beyond 2 SE of Muon's; `‡`: fewer seeds than "
         "planned (so far); `e`: the chosen lr is at its grid's edge.",
         "",
@@ -122,6 +130,7 @@ def report(rows: list[dict[str, Any]], plan: Plan, args: argparse.Namespace, out
         variants = [arm for arm in args.arms if arm not in ("adamw", "muon", "periodic")]
         if variants and "periodic" in args.arms:  # Periodic's variants against what they modify
             lines += ratio_table(f, lengths, "periodic", variants)
+        lines += corrected(f, lengths, variants)
         lines += paced_table(f, lengths)
         lines += [
             "### Seconds at each budget as trained: optimizer / training wall (mean over reported seeds)",
@@ -181,6 +190,42 @@ def ratio_table(f: Frontier, lengths: list[int], base: str, arms: list[str]) -> 
     header = ["arm", *(f"{T} steps" for T in lengths)]
     body = [[arm, *(ratio(f.values(arm, T, "fd"), f.values(base, T, "fd")) for T in lengths)] for arm in arms]
     return [f"### FD relative to {base} (± delta-method SE, `*` beyond 2 SE)", ""] + table(header, body)
+
+
+def corrected(f: Frontier, lengths: list[int], variants: list[str], alpha: float = 0.05) -> list[str]:
+    """Every FD comparison the page marks (each arm vs Muon; each variant vs Periodic; every budget) as a paired t on
+    ln FD over the seeds both have (a seed gives both arms the same initial weights), Holm over all of them."""
+    from frontier_confirm import holm
+    from scipy import stats
+
+    pairs = [(arm, "muon") for arm in f.args.arms if arm != "muon"]
+    pairs += [(arm, "periodic") for arm in variants if "periodic" in f.args.arms]
+    tests = []
+    for a, b in pairs:
+        for T in lengths:
+            fa, fb = f.by_seed(a, T, "fd"), f.by_seed(b, T, "fd")
+            seeds = sorted(set(fa) & set(fb))
+            if len(seeds) < 2 or not all(min(fa[s], fb[s]) > 0 for s in seeds):
+                continue
+            _, p = stats.ttest_rel([math.log(fa[s]) for s in seeds], [math.log(fb[s]) for s in seeds])
+            marked = beyond_2se(list(fa.values()), list(fb.values())) == "yes"
+            tests.append((a, b, T, len(seeds), float(p), marked))
+    if not tests:
+        return []
+    thresholds, reject = holm([t[4] for t in tests], alpha)
+    body = [
+        [f"{a} vs {b}", str(T), str(n), f"{p:.2g}", f"{h:.2g}", "yes" if m else "no", "**yes**" if r else "no"]
+        for (a, b, T, n, p, m), h, r in zip(tests, thresholds, reject, strict=True)
+        if m or r
+    ]
+    survive = sum(reject)
+    return [
+        "### Corrected for the comparisons made (FD)",
+        "",
+        f"{len(tests)} comparisons; {sum(t[5] for t in tests)} marked beyond 2 SE (unpaired), {survive} survive a "
+        f"paired t on ln FD with Holm's correction over all {len(tests)} at α = {alpha}. The marked or surviving ones:",
+        "",
+    ] + table(["comparison", "budget", "n", "paired p", "Holm α", "marked beyond 2 SE", "survives Holm"], body)
 
 
 def arms_table(f: Frontier, lengths: list[int]) -> list[str]:
