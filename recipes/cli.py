@@ -206,6 +206,9 @@ def main(args: list[str] | None = None) -> None:
             DiTModule,
             L.LightningDataModule,
             subclass_mode_data=True,
+            # one optimizer path: --model.optimizer and DiTModule.configure_optimizers (muon_param_groups). With
+            # LightningCLI's --optimizer / --lr_scheduler given, it would replace configure_optimizers without a word.
+            auto_configure_optimizers=False,
             parser_class=ShortUsageParser,
             parser_kwargs={
                 # no abbreviations: `--trainer.max_step 20` is an error, not max_steps

@@ -95,3 +95,32 @@ print(bool(new()))
 """
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == ["[]", "[]", "True"], out.stdout
+
+
+def test_version_and_top_level_help_import_neither_torch_nor_lightning():
+    """``lightning-muon --version`` / ``--help`` answer from the entry module alone (seconds faster than importing
+    Lightning); its subcommand list is the recipe CLI's. Control: a subcommand's help does import Lightning."""
+    import subprocess
+    import sys
+
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_muon
+    import lightning_muon_cli
+
+    assert set(lightning_muon_cli.SUBCOMMANDS) == {*LightningCLI.subcommands(), "evaluate", "doctor"}
+    probe = "import sys, lightning_muon_cli as c\ntry: c.main({args!r})\nexcept SystemExit: pass\n" + (
+        "print(sorted(m for m in ('torch', 'lightning', 'lightning_muon') if m in sys.modules))"
+    )
+
+    def run(args):
+        code = probe.format(args=args)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return proc.stdout.strip().splitlines()
+
+    assert run(["--version"]) == [f"lightning-muon {lightning_muon.__version__}", "[]"]
+    help_lines = run(["--help"])
+    assert help_lines[-1] == "[]" and all(
+        f"  {name} " in "\n".join(help_lines) for name in lightning_muon_cli.SUBCOMMANDS
+    )
+    assert run(["doctor", "--help"])[-1] == "['lightning', 'lightning_muon', 'torch']"  # the control

@@ -578,6 +578,9 @@ _pytree._tree_flatten(torch.zeros(1))
         (["--data.batch_size", "0"], "batch_size"),
         (["--model.optimizer", "sgd"], "model.optimizer"),
         (["--trainer.max_step", "20"], "--trainer.max_step"),  # no abbreviation of max_steps
+        # LightningCLI's own optimizer would replace configure_optimizers and skip muon_param_groups silently
+        (["--optimizer", "Adam"], "--optimizer"),
+        (["--lr_scheduler", "StepLR"], "--lr_scheduler"),
     ],
 )
 def test_a_command_line_mistake_is_a_short_error_naming_the_option(mistake, named, capsys, tmp_path, monkeypatch):
