@@ -48,8 +48,13 @@ def main(args: list[str] | None = None) -> int | None:
     if argv in ([], ["-h"], ["--help"]):
         print(usage())
         return 0
-    from lightning_muon.recipes.cli import main as recipe_main
-
+    try:
+        from lightning_muon.recipes.cli import main as recipe_main
+    except ModuleNotFoundError as err:  # lightning_muon.extras.MissingExtraError: one line naming the extra
+        if type(err).__name__ != "MissingExtraError":
+            raise
+        sys.stderr.write(f"error: {err}\n")
+        return 2
     return recipe_main(argv)
 
 

@@ -10,6 +10,11 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+# ruff: noqa: E402 (the extra is checked before the modules that need it are imported)
+from lightning_muon.extras import require
+
+require("metrics", "SampleWriter")
+
 
 class SampleWriter(BasePredictionWriter):
     """Write each predicted sample (``predict_step`` returning ``{"index", "label", "image"}``, uint8 images) to

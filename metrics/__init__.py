@@ -1,5 +1,10 @@
 """Generation-quality metrics (torchmetrics), their functional formulas and feature extractors, and GenEval 2."""
 
+# ruff: noqa: E402 (the extra is checked before the modules that need it are imported)
+from lightning_muon.extras import require
+
+require("metrics", "lightning_muon.metrics")
+
 from lightning_muon.metrics.features import (
     ClipFeatures,
     DigitsFeatures,
