@@ -25,7 +25,9 @@ class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
         self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
-        self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(x, x, x, need_weights=False)[0]
