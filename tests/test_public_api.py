@@ -124,3 +124,18 @@ def test_version_and_top_level_help_import_neither_torch_nor_lightning():
         f"  {name} " in "\n".join(help_lines) for name in lightning_muon_cli.SUBCOMMANDS
     )
     assert run(["doctor", "--help"])[-1] == "['lightning', 'lightning_muon', 'torch']"  # the control
+
+
+def test_a_part_without_its_extra_is_one_line_naming_the_extra(monkeypatch):
+    """Here every extra is installed; with one of its modules missing (the control) the part's import is refused in
+    one line naming the extra and the module. The real core-only install is tested by .ci/run (.ci/core_install.py)."""
+    from lightning_muon import extras
+
+    assert extras.missing("metrics") == [] and extras.missing("recipe") == []
+    monkeypatch.setitem(extras.EXTRAS, "metrics", (*extras.EXTRAS["metrics"], "no_such_module_here"))
+    with pytest.raises(extras.MissingExtraError) as err:
+        extras.require("recipe", "the recipe")
+    assert str(err.value) == (
+        "the recipe needs lightning-muon's 'recipe' extra (missing: no_such_module_here): "
+        "pip install 'lightning-muon[recipe]'"
+    )
