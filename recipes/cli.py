@@ -1,9 +1,8 @@
 """``lightning-muon``: LightningCLI over :class:`DiTModule` and the data modules.
 
 ``lightning-muon fit`` with no arguments trains the tiny digits DiT with Periodic Row-wise Muon on the CPU
-(``recipes/configs/digits_tiny.yaml``); ``lightning-muon fit --config recipes/configs/t2i_base.yaml --config
-recipes/configs/t2i_1p3b.yaml`` runs a paper-scale config. ``lightning-muon fit --help`` lists every option;
-``lightning-muon evaluate --help`` the checkpoint evaluation.
+(``recipes/configs/digits_tiny.yaml``); ``lightning-muon fit --config t2i_1p3b`` runs a paper-scale config by name.
+``lightning-muon fit --help`` lists every option; ``lightning-muon evaluate --help`` the checkpoint evaluation.
 """
 
 from __future__ import annotations
@@ -29,6 +28,26 @@ SHIPPED_CONFIGS = {
     "dit_xl2_imagenet256": [CONFIGS / "dit_xl2_imagenet256.yaml"],
     **{f"t2i_{s}": [CONFIGS / "t2i_base.yaml", CONFIGS / f"t2i_{s}.yaml"] for s in ("1p3b", "4b", "9b", "15b")},
 }
+
+
+def shipped_config_paths(argv: list[str]) -> list[str]:
+    """``--config NAME`` (or ``-c NAME``, ``--config=NAME``) with ``NAME`` a shipped run (:data:`SHIPPED_CONFIGS`)
+    and no such file here becomes the installed YAML files it stacks (``t2i_1p3b``: ``t2i_base.yaml`` then
+    ``t2i_1p3b.yaml``), so the names work from a wheel in any directory; anything else passes unchanged."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-c", "--config") and i + 1 < len(argv):
+            flag, value, i = arg, argv[i + 1], i + 2
+        elif arg.startswith("--config="):
+            flag, value, i = "--config", arg.split("=", 1)[1], i + 1
+        else:
+            out.append(arg)
+            i += 1
+            continue
+        paths = SHIPPED_CONFIGS.get(value) if not Path(value).exists() else None
+        out += [part for path in paths for part in (flag, str(path))] if paths else [flag, value]
+    return out
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -201,6 +220,7 @@ def main(args: list[str] | None = None) -> None:
         from lightning_muon.recipes.doctor import main as doctor
 
         sys.exit(doctor(argv[1:]))
+    argv = shipped_config_paths(argv)
     with exit_on_storage_error():  # a full disk, a read-only directory: the place and what to do, not a traceback
         MuonCLI(
             DiTModule,
@@ -219,7 +239,7 @@ def main(args: list[str] | None = None) -> None:
                 "allow_abbrev": False,
                 "description": "Train Diffusion Transformers with Periodic Row-wise Muon.",
             },
-            args=args,
+            args=argv,
         )
 
 

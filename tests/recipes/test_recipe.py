@@ -596,3 +596,22 @@ def test_a_command_line_mistake_is_a_short_error_naming_the_option(mistake, name
     assert exit_info.value.code != 0 and named in err and "Traceback" not in err
     assert len(err.strip().splitlines()) <= 15, err
     assert list(tmp_path.iterdir()) == []  # refused before anything is built: no empty lightning_logs/version_N
+
+
+def test_a_shipped_config_by_name_from_any_directory(tmp_path, monkeypatch, capsys):
+    """``--config NAME`` names a shipped run from any directory (a wheel install has no recipes/configs/ beside it);
+    a file of that name in the directory wins, and an unknown name passes unchanged to the parser (the controls)."""
+    from lightning_muon.recipes.cli import SHIPPED_CONFIGS, main, shipped_config_paths
+
+    base, size = (str(p) for p in SHIPPED_CONFIGS["t2i_1p3b"])
+    assert shipped_config_paths(["fit", "-c", "t2i_1p3b", "--x", "1"]) == ["fit", "-c", base, "-c", size, "--x", "1"]
+    dit = str(SHIPPED_CONFIGS["dit_xl2_imagenet256"][0])
+    assert shipped_config_paths(["fit", "--config=dit_xl2_imagenet256"]) == ["fit", "--config", dit]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t2i_4b").write_text("trainer: {max_steps: 7}\n")
+    assert shipped_config_paths(["fit", "--config", "t2i_4b"]) == ["fit", "--config", "t2i_4b"]
+    assert shipped_config_paths(["fit", "--config", "no_such"]) == ["fit", "--config", "no_such"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "dit_xl2_imagenet256", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "LatentShardsDataModule" in capsys.readouterr().out
