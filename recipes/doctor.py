@@ -503,7 +503,7 @@ def evaluate_check(device: torch.device, work: Path) -> Result:
     values = {}
     for n in (world, 1):
         out = work / f"evaluate{n}"
-        args = ["evaluate", str(ckpt), "--num-samples", "5", "--num-inference-steps", "2", "--metrics", "fd_digits",
+        args = ["evaluate", str(ckpt), "--num_samples", "5", "--num_inference_steps", "2", "--metrics", "fd_digits",
                 "--out", str(out)]  # fmt: skip
         proc = _torchrun(n, "lightning_muon.recipes.cli", args)
         if proc.returncode != 0:
@@ -580,7 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-muon doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda, cuda:N or cpu (default: cuda if any)",
+    )
     parser.add_argument(
         "--hidden", type=int, nargs="+", default=None, help="NS5 timing widths (default 2048 4096; 256 512 on a CPU)"
     )

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from lightning_muon.recipes.data import ImageFolder
+from lightning_muon.recipes.flags import option_names
 from lightning_muon.recipes.latents import MANIFEST, read_safetensors_header, write_latent_shard, write_manifest
 from lightning_muon.recipes.networks import PromptEncoder, load_local
 
@@ -43,12 +44,14 @@ def main(argv: list[str] | None = None) -> list[Path]:
     )
     parser.add_argument("--images", required=True, help="image folder (class sub-folders or captions.jsonl)")
     parser.add_argument("--vae", required=True, help="diffusers AutoencoderKL directory")
-    parser.add_argument("--text-encoder", default=None, help="transformers text encoder + tokenizer directory")
+    parser.add_argument(
+        *option_names("text_encoder"), default=None, help="transformers text encoder + tokenizer directory"
+    )
     parser.add_argument("--out", required=True, help="latent directory to write (shards + manifest.json)")
-    parser.add_argument("--image-size", type=int, default=512)
-    parser.add_argument("--max-caption-length", type=int, default=120)
-    parser.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument(*option_names("image_size"), type=int, default=512)
+    parser.add_argument(*option_names("max_caption_length"), type=int, default=120)
+    parser.add_argument(*option_names("shard_size"), type=int, default=1000, help="samples per shard")
+    parser.add_argument(*option_names("batch_size"), type=int, default=16)
     parser.add_argument("--flip", action="store_true", help="also store each image's horizontal mirror")
     parser.add_argument("--device", default=None, help="default: this rank's CUDA device, else cpu")
     args = parser.parse_args(argv)

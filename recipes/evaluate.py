@@ -44,6 +44,7 @@ from lightning_muon.metrics.evaluation import (
 from lightning_muon.metrics.features import cache_dir
 from lightning_muon.optim.transport import note_gloo_collectives
 from lightning_muon.recipes.data import DigitsDataModule
+from lightning_muon.recipes.flags import option_names
 from lightning_muon.recipes.module import DiTModule, checked_hparams
 from lightning_muon.recipes.networks import build_transformer, cast
 from lightning_muon.recipes.trust import checked_checkpoint, checkpoint_meta
@@ -212,18 +213,18 @@ def _init_distributed(device: str | None) -> torch.device:
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, kind: type, **overrides: tuple[Any, type, str]) -> None:
-    """``--num-samples`` etc.: one flag per field of the dataclass ``kind`` (:class:`Sampling`,
+    """``--num_samples`` etc.: one flag per field of the dataclass ``kind`` (:class:`Sampling`,
     :class:`MetricSuite`), with its default and help; ``overrides`` maps a name to ``(default, type, help)``."""
     for f in fields(kind):
         kind_of = type(f.default) if f.default is not None else str
         default, kind_of, doc = overrides.get(f.name, (f.default, kind_of, f.metadata["help"]))
-        flag = "--" + f.name.replace("_", "-")
+        flags = option_names(f.name)
         if f.name == "metrics":
-            parser.add_argument(flag, nargs="+", default=list(default), choices=sorted(METRIC_NAMES), help=doc)
+            parser.add_argument(*flags, nargs="+", default=list(default), choices=sorted(METRIC_NAMES), help=doc)
         elif kind_of is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=doc)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=doc)
         else:
-            parser.add_argument(flag, type=kind_of, default=default, help=doc)
+            parser.add_argument(*flags, type=kind_of, default=default, help=doc)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_arguments(parser, Sampling, num_classes=(None, int, "default: the checkpoint's num_classes"))
     add_dataclass_arguments(parser, MetricSuite)
     parser.add_argument("--real", default="digits", help="'digits' or an image folder with the real images")
-    parser.add_argument("--image-size", type=int, default=256, help="resolution of an image-folder reference")
+    parser.add_argument(
+        *option_names("image_size"), type=int, default=256, help="resolution of an image-folder reference"
+    )
     parser.add_argument("--device", default=None, help="default: CUDA (this rank's GPU under torchrun), else cpu")
     parser.add_argument(
         "--dtype",
@@ -304,9 +307,9 @@ def _evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     try:
         prompts = read_prompts(args.prompts_file) if args.prompts_file else None
     except (OSError, ValueError) as err:
-        parser.error(f"--prompts-file: {err}")
+        parser.error(f"--prompts_file: {err}")
     if "hpsv2" in args.metrics and not prompts:
-        parser.error("--metrics hpsv2 scores image-prompt pairs: pass --prompts-file.")
+        parser.error("--metrics hpsv2 scores image-prompt pairs: pass --prompts_file.")
     device = _init_distributed(args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
