@@ -2,7 +2,7 @@
 
 Everything else in this package runs unchanged on a fake CUDA device (``FakeTensorMode``), where tests catch host
 synchronizations, CPU/CUDA mixes and pageable host-to-device copies without a GPU; these two are replaced there by
-CPU stand-ins (DESIGN.md §7).
+CPU stand-ins (``tests/fake_cuda.py``).
 """
 
 from __future__ import annotations

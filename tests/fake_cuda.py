@@ -1,4 +1,4 @@
-"""GPU bugs found on a CPU (DESIGN.md §7): a fake ``cuda:0`` device and a fake process group.
+"""GPU bugs found on a CPU: a fake ``cuda:0`` device and a fake process group.
 
 Inside :func:`fake_cuda` every tensor is a ``FakeTensor``: a host synchronization (``.item()``, ``bool(t)``,
 ``.tolist()`` of a device value) raises ``DataDependentOutputException``, mixing a CPU and a CUDA tensor raises

@@ -122,7 +122,8 @@ def test_version_and_top_level_help_import_neither_torch_nor_lightning():
     assert help_lines[-1] == "[]" and all(
         f"  {name} " in "\n".join(help_lines) for name in lightning_muon_cli.SUBCOMMANDS
     )
-    assert eval(loaded, {"sys": sys}) == ["lightning", "lightning_muon", "torch"]  # the control: here they are loaded, and seen
+    # the control: in this process they are loaded, and the probe's expression sees them
+    assert eval(loaded, {"sys": sys}) == ["lightning", "lightning_muon", "torch"]
 
 
 def test_a_part_without_its_extra_is_one_line_naming_the_extra(monkeypatch):

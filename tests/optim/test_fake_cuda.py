@@ -1,4 +1,4 @@
-"""The optimizer step on a fake CUDA device (DESIGN.md §7): no host synchronization, no CPU/CUDA mix, no pageable
+"""The optimizer step on a fake CUDA device: no host synchronization, no CPU/CUDA mix, no pageable
 host-to-device copy, same-dtype multi-tensor calls, collectives on CUDA tensors only — single-device and sharded
 over an 8-rank fake process group, in every mode. Each kind of finding has a control that makes it happen."""
 

@@ -61,7 +61,7 @@ def test_period_one_matches_torch_muon(nesterov, adjust_lr):
 
 # ------------------------------------------------------------------------------------- the periodic algorithm
 def reference_step(W, G, M, t, *, lr, beta, nesterov, wd, K, gamma, adjust_lr, eps=1e-7):
-    """DESIGN.md §1 written out in float64 on one matrix, independent of the library's kernels."""
+    """The update rule (docs/optimizer.md) in float64 on one matrix, independent of the library's kernels."""
     M = beta * M + (1 - beta) * G
     N = beta * M + (1 - beta) * G if nesterov else M
     m, n = W.shape

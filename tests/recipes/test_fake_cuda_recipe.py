@@ -1,4 +1,4 @@
-"""The recipe on a fake CUDA device (DESIGN.md §7): a DiT training step makes its random draws on the GPU, evaluation
+"""The recipe on a fake CUDA device: a DiT training step makes its random draws on the GPU, evaluation
 networks sit on the GPU only while an evaluation runs, and ``evaluate`` under torchrun binds each rank to its GPU."""
 
 import os
