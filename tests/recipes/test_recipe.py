@@ -74,7 +74,7 @@ def test_cli_default_fit_writes_logs_and_checkpoint_and_learns(tmp_path, tmp_pat
 
     last = version / "checkpoints" / "last.ckpt"
     quick = ["--ckpt_path", str(last), "--trainer.enable_progress_bar", "false"]
-    for subcommand in ("validate", "test"):
+    for subcommand in ("validate",):  # `test` is the same LightningCLI path (Trainer.test: tests/core/test_strategy.py)
         proc = subprocess.run(
             [*cmd[:3], subcommand, *quick], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
         )
@@ -369,6 +369,7 @@ def test_all_configs_parse_with_the_cli():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the same 2-rank CLI fit with evaluation runs in the default set as the step census's
 def test_cli_muon_fsdp_two_devices_with_evaluation_and_telemetry(tmp_path):
     """The default recipe on 2 CPU ranks with muon_fsdp: distributed sampling, sharded evaluation, DCP checkpoints,
     communication counted by the telemetry."""
@@ -547,7 +548,7 @@ def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
     assert all(g["ns_coefficients"] == "polar_express" and g["refresh_warmup"] == 5 for g in groups)
 
 
-@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize("quiet", [pytest.param(False, marks=pytest.mark.slow), True])  # the control (False): slow set
 def test_lightning_notices_are_dropped_by_the_cli(quiet, tmp_path):
     """The litlogger tip and the LeafSpec deprecation print without ``quiet_lightning_notices`` (the control) and not
     with it."""
