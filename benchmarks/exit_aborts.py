@@ -5,7 +5,8 @@ FSDP2-sharded matrices stepped by ``PeriodicRowwiseMuon`` at K = 1 and 3 in gath
 user's script does; the exit hook still gives the grace, because the optimizer's collectives noted the gloo group,
 :func:`~lightning_muon.optim.transport.note_gloo_collectives`), counting
 the runs in which a rank died by a signal ("terminate called without an active exception", SIGABRT) instead of
-exiting 0. Prints a table and writes JSON.
+exiting 0. Each run is appended to ``exit_aborts.jsonl`` (so batches add up: run it again to add runs); prints the
+totals and writes them to ``exit_aborts.json``.
 
     python benchmarks/exit_aborts.py --runs 100
     python benchmarks/exit_aborts.py --runs 100 --optimizer adamw
@@ -23,6 +24,8 @@ import time
 from pathlib import Path
 
 CASES = ((1, "gather"), (3, "gather"), (1, "scatter"), (3, "scatter"))
+#: what the harness exercises; runs of another harness are not added up with these
+HARNESS = "destroys its own group; the grace from note_gloo_collectives (the shipped path)"
 
 
 def worker(optimizer: str, without_grace: bool) -> None:
@@ -88,39 +91,43 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.optimizer, args.without_grace)
+    import torch
     from tqdm.auto import tqdm
 
-    aborted, failed, start = [], [], time.perf_counter()
-    for run in tqdm(range(args.runs), desc=f"{args.ranks}-rank runs", unit="run"):
+    key = {"optimizer": args.optimizer, "exit hook": not args.without_grace, "ranks": args.ranks,
+           "torch": torch.__version__, "harness": HARNESS}  # fmt: skip
+    log = Path(args.out).with_suffix(".jsonl")  # one line per run: resumable, batches add up
+    log.parent.mkdir(parents=True, exist_ok=True)
+    for _ in tqdm(range(args.runs), desc=f"{args.ranks}-rank runs", unit="run"):
+        start = time.perf_counter()
         code, output = launch(args.optimizer, args.ranks, args.without_grace)
-        if "terminate called" in output or re.search(r"exitcode\s*:\s*-\d+", output):
-            aborted.append(run)
-        elif code != 0:
-            failed.append((run, output[-2000:]))
-    import torch
+        aborted = "terminate called" in output or re.search(r"exitcode\s*:\s*-\d+", output) is not None
+        run = {**key, "aborted": aborted, "failed": code != 0 and not aborted, "seconds": time.perf_counter() - start}
+        with log.open("a") as f:
+            f.write(json.dumps(run) + "\n")
+        if run["failed"]:
+            print(f"a run failed:\n{output[-2000:]}")
+    summary = summarize([json.loads(line) for line in log.read_text().splitlines() if line.strip()])
+    print("| optimizer | exit hook | ranks | torch | runs | aborted at exit | failed otherwise | hours |")
+    print("|---|---|---:|---|---:|---:|---:|---:|")
+    for row in summary:
+        hook = "yes" if row["exit hook"] else "no (before the fix)"
+        cells = (row["optimizer"], hook, row["ranks"], row["torch"], row["runs"], row["aborted"], row["failed"])
+        print("| " + " | ".join(map(str, cells)) + f" | {row['seconds'] / 3600:.2f} |")
+    Path(args.out).write_text(json.dumps({"harness": HARNESS, "rows": summary}, indent=1))
 
-    row = {
-        "optimizer": args.optimizer,
-        "exit hook": not args.without_grace,
-        "ranks": args.ranks,
-        "runs": args.runs,
-        "aborted": len(aborted),
-        "failed otherwise": len(failed),
-        "seconds": time.perf_counter() - start,
-        "torch": torch.__version__,
-    }
-    hook = "no (before the fix)" if args.without_grace else "yes"
-    print("| optimizer | exit hook | ranks | runs | aborted at exit | failed otherwise | torch |")
-    print("|---|---|---:|---:|---:|---:|---|")
-    cells = (args.optimizer, hook, args.ranks, args.runs, len(aborted), len(failed), torch.__version__)
-    print("| " + " | ".join(map(str, cells)) + " |")
-    for run, output in failed[:3]:
-        print(f"run {run} failed:\n{output}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(out.read_text()) if out.is_file() else {}
-    results[f"{args.optimizer}{' without exit hook' if args.without_grace else ''}"] = {**row, "aborted runs": aborted}
-    out.write_text(json.dumps(results, indent=1))
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Runs of the current harness added up per (optimizer, exit hook, ranks, torch)."""
+    rows: dict[tuple, dict] = {}
+    for r in runs:
+        if r["harness"] != HARNESS:
+            continue
+        key = (r["optimizer"], r["exit hook"], r["ranks"], r["torch"])
+        row = rows.setdefault(key, dict(zip(("optimizer", "exit hook", "ranks", "torch"), key, strict=True)))
+        for name, value in (("runs", 1), ("aborted", r["aborted"]), ("failed", r["failed"]), ("seconds", r["seconds"])):
+            row[name] = row.get(name, 0) + value
+    return list(rows.values())
 
 
 if __name__ == "__main__":
