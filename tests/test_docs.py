@@ -96,6 +96,15 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for name in ("PeriodicRowwiseMuon", "GenEval2", "Preemption", "AtomicCheckpointIO", "DiTModule"):
         assert name in api  # the reference is generated from the docstrings of what __all__ exports
+    site = tmp_path / "site"
+    assert [p.name for p in site.rglob("hooks.py")] == []  # the build's hook is not published
+    assert [str(p) for p in site.rglob("*.html") if external_assets(p.read_text())] == []  # readable offline
+    assert external_assets('<link href="https://fonts.googleapis.com/css?family=Roboto">')  # the control
+
+
+def external_assets(html: str) -> list[str]:
+    """Fonts, stylesheets and scripts a page loads from another site."""
+    return re.findall(r'<(?:link|script)[^>]+(?:href|src)="(https?://[^"]+)"', html)
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
