@@ -7,7 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 #: subcommand -> one line; the recipe's CLI registers the same names (a test ties them)
 SUBCOMMANDS = {
-    "fit": "Train: the tiny digits default, or --config FILE (paper-scale configs in recipes/configs).",
+    "fit": "Train: the tiny digits default, or --config NAME_OR_FILE (a shipped config such as t2i_1p3b).",
     "validate": "One validation epoch of a checkpoint (--ckpt_path).",
     "test": "One test epoch of a checkpoint (--ckpt_path).",
     "predict": "Predictions from a checkpoint (--ckpt_path).",
@@ -50,10 +50,12 @@ def main(args: list[str] | None = None) -> int | None:
         return 0
     try:
         from lightning_muon.recipes.cli import main as recipe_main
-    except ModuleNotFoundError as err:  # lightning_muon.extras.MissingExtraError: one line naming the extra
-        if type(err).__name__ != "MissingExtraError":
+    except ModuleNotFoundError as err:
+        from lightning_muon.extras import MissingExtraError  # the package's core imported before the recipe failed
+
+        if not isinstance(err, MissingExtraError):
             raise
-        sys.stderr.write(f"error: {err}\n")
+        sys.stderr.write(f"error: {err}\n")  # one line naming the extra
         return 2
     return recipe_main(argv)
 
