@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING
 _MODULES = {
     "EMA": "ema",
     "GenerationEvaluation": "generation",
+    "Generator": "protocols",
     "LineProgress": "progress",
     "OptimizerTelemetry": "telemetry",
     "Preemption": "preemption",
+    "RealImages": "protocols",
     "SampleWriter": "samples",
     "StepProgressBar": "progress",
 }
@@ -23,9 +25,11 @@ _MODULES = {
 __all__ = [
     "EMA",
     "GenerationEvaluation",
+    "Generator",
     "LineProgress",
     "OptimizerTelemetry",
     "Preemption",
+    "RealImages",
     "SampleWriter",
     "StepProgressBar",
 ]
@@ -35,6 +39,7 @@ if TYPE_CHECKING:  # what type checkers and the API reference see
     from lightning_muon.callbacks.generation import GenerationEvaluation
     from lightning_muon.callbacks.preemption import Preemption
     from lightning_muon.callbacks.progress import LineProgress, StepProgressBar
+    from lightning_muon.callbacks.protocols import Generator, RealImages
     from lightning_muon.callbacks.samples import SampleWriter
     from lightning_muon.callbacks.telemetry import OptimizerTelemetry
 

@@ -37,7 +37,8 @@ class EMA(Callback):
 
     Args:
         decay: :math:`\beta` in [0, 1).
-        source / target: attribute names of the trained network and of its average.
+        source: attribute name of the trained network.
+        target: attribute name of its average.
     """
 
     def __init__(self, decay: float = 0.999, source: str = "model", target: str = "ema") -> None:

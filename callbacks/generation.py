@@ -84,24 +84,35 @@ class GenerationEvaluation(Callback):
     Both are checked in ``setup``, naming what is missing. ``examples/custom_module.py`` is a module of one's own.
 
     Args:
-        metrics, dinov2_weights, inception_weights, clip_weights, hps_weights, clip_model, hps_model: the metric
-            suite, :class:`~lightning_muon.metrics.evaluation.MetricSuite` (names from
-            :data:`~lightning_muon.metrics.evaluation.METRIC_NAMES`), with clip_quick_gelu, fid_resize,
-            geneval2_prompts, geneval2_judge, geneval2_images_per_prompt.
+        metrics: metric names from :data:`~lightning_muon.metrics.METRIC_NAMES`; with the weights below they make
+            the :class:`~lightning_muon.metrics.MetricSuite`.
         every_n_steps: evaluation period in optimizer steps (0: only at the end of training).
         on_checkpoint: also evaluate whenever a checkpoint is saved (once per global step).
         num_samples: generated images per evaluation.
         num_classes: classes of the conditions.
-        num_inference_steps / guidance_scale: sampler settings.
+        num_inference_steps: sampler steps (Euler for flow, DDIM for DDPM).
+        guidance_scale: classifier-free guidance (1 disables the unconditional pass).
         batch_size: images generated per forward pass on each rank.
         reference_dir: cache of reference statistics (default: ``eval_reference`` in the library's cache directory,
             ``$LIGHTNING_MUON_CACHE`` or ``~/.cache/lightning_muon``: shared by runs, keyed by the real images).
         grid_size: images in the logged grid.
         seed: base noise seed.
+        dinov2_weights: local DINOv2 weights (``fd_dinov2``, ``prdc_dinov2``).
+        inception_weights: local torch-fidelity InceptionV3 weights (``fid``, ``kid``, ``is``, ``sfid``).
+        clip_weights: local CLIP weights (``cmmd``).
+        hps_weights: local HPSv2.1 weights (``hpsv2``).
+        clip_model: open_clip architecture of ``clip_weights`` (a name or a model-config JSON).
+        hps_model: open_clip architecture of ``hps_weights`` (a name or a model-config JSON).
+        clip_quick_gelu: build ``cmmd``'s CLIP with QuickGELU, as OpenAI's weights need.
+        fid_resize: ``"tf1"`` (torch-fidelity's resize) or ``"clean"`` (clean-fid's PIL bicubic) for InceptionV3.
         prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
             (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
+        geneval2_prompts: GenEval 2's benchmark file (``geneval2_data.jsonl``).
+        geneval2_judge: the Soft-TIFA judge (a transformers VLM directory or cached hub id).
+        geneval2_images_per_prompt: images per GenEval 2 prompt (the reference scores one).
         real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
-            (latent-shard training has no images), resized and center-cropped to ``real_image_size``.
+            (latent-shard training has no images).
+        real_image_size: the side ``real_images_dir``'s images are resized and center-cropped to.
         progress: show a progress bar on rank 0.
     """
 

@@ -95,6 +95,9 @@ class OptimizerTelemetry(Callback):
       ``.../rms/group<i>``, the mean RowNorm-to-NS5 ratio of first-order descent and of RMS (a RowNorm step at
       γ = 1 relative to that refresh's step), and under ``rownorm_scale="auto"`` the calibrated
       ``optim/gamma/group<i>/{mean,min,max}``.
+
+    Args:
+        log_every_n_steps: logging period in optimizer steps (``None``: the Trainer's ``log_every_n_steps``).
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:

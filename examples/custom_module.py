@@ -3,13 +3,13 @@
 A small class-conditional transformer of one's own (not the recipe's ``DiTModule``) trained with rectified flow on
 sklearn's 8×8 digits. What lightning-muon asks of it:
 
-- ``configure_optimizers`` returns :class:`~lightning_muon.PeriodicRowwiseMuon` over :func:`muon_param_groups`
+- ``configure_optimizers`` returns ``PeriodicRowwiseMuon`` over ``muon_param_groups``
   (block matrices → Muon, the rest → AdamW);
 - transformer blocks in a ``blocks`` ``ModuleList`` (``muon_fsdp`` shards each as an FSDP2 unit), or shard the
   model yourself in ``configure_model``;
-- for :class:`~lightning_muon.callbacks.GenerationEvaluation`, ``generate(conditions, seeds, num_inference_steps,
+- for ``GenerationEvaluation``, ``generate(conditions, seeds, num_inference_steps,
   guidance_scale, batch_size=None)`` returning uint8 images, and a datamodule with ``real_images()`` (the
-  protocols in :mod:`lightning_muon.callbacks.protocols`).
+  protocols ``Generator`` and ``RealImages`` in ``lightning_muon.callbacks``).
 
     python examples/custom_module.py --devices 2 --max-steps 300
 """

@@ -31,25 +31,16 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-__all__ = [
-    "META_FILE",
+__all__ = [  # what users call; the rest (the safe unpickler, the planner, rank-0 helpers) serves these
     "AtomicCheckpointIO",
-    "MetadataUnpickler",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
     "StorageError",
     "atomic_save",
     "atomic_write",
-    "check_writable",
-    "check_weights_file",
     "checkpoint_problem",
     "is_distributed_checkpoint",
     "load_distributed",
     "newest_checkpoint",
-    "on_rank_zero",
-    "exit_on_storage_error",
     "read_metadata",
-    "remove_checkpoint",
     "resolve_checkpoint",
     "save_distributed_checkpoint",
 ]

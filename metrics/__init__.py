@@ -5,6 +5,7 @@ from lightning_muon.extras import require
 
 require("metrics", "lightning_muon.metrics")
 
+from lightning_muon.metrics.evaluation import METRIC_NAMES, MetricSuite, Sampling
 from lightning_muon.metrics.features import (
     ClipFeatures,
     DigitsFeatures,
@@ -24,6 +25,7 @@ from lightning_muon.metrics.geneval2 import GenEval2, GenEval2Prompt, SoftTifaJu
 from lightning_muon.metrics.reference import ensure_reference, ensure_references, update_with_images
 
 __all__ = [
+    "METRIC_NAMES",
     "ClipFeatures",
     "DigitsFeatures",
     "DinoV2Features",
@@ -36,7 +38,9 @@ __all__ = [
     "InceptionScore",
     "KernelInceptionDistance",
     "MaximumMeanDiscrepancy",
+    "MetricSuite",
     "PrecisionRecallDensityCoverage",
+    "Sampling",
     "SoftTifaJudge",
     "ensure_reference",
     "ensure_references",

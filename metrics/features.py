@@ -74,6 +74,10 @@ class FeatureExtractor(nn.Module):
     returned). Runs in float32 like every reference implementation; ``autocast=True`` opts in to bf16 on CUDA.
     The features of the most recent input tensor are remembered, so metrics that share an extractor and are
     updated with the same batch run the network once. NaN/inf features are an error.
+
+    Args:
+        batch_size: images per forward pass.
+        autocast: run in bf16 autocast on CUDA.
     """
 
     name: str = "features"
@@ -160,6 +164,7 @@ class DinoV2Features(FeatureExtractor):
         weights: a directory with ``config.json`` + weights (``save_pretrained`` layout) or a hub id such as
             ``"facebook/dinov2-large"`` that is already in the Hugging Face cache. Never downloads.
         image_size: input resolution of the network.
+        kwargs: :class:`~lightning_muon.metrics.FeatureExtractor`'s options (``batch_size``, ``autocast``).
     """
 
     name = "dinov2"
@@ -229,6 +234,7 @@ class InceptionFeatures(FeatureExtractor):
         weights: the torch-fidelity weights file ``pt_inception-2015-12-05-6726825d.pth``.
         layer: which layer ``forward`` returns.
         resize: ``"tf1"`` (torch-fidelity, pytorch-fid's FID weights) or ``"clean"`` (clean-fid).
+        kwargs: :class:`~lightning_muon.metrics.FeatureExtractor`'s options (``batch_size``, ``autocast``).
     """
 
     name = "inception"
@@ -354,6 +360,7 @@ class ClipFeatures(FeatureExtractor):
         weights: local file of ``model_name`` weights (``.safetensors``, state dict, or OpenAI's TorchScript ``.pt``).
         model_name: open_clip architecture.
         quick_gelu: the activation of OpenAI's weights (True, cmmd's); False for LAION-trained weights.
+        kwargs: :class:`~lightning_muon.metrics.FeatureExtractor`'s options (``batch_size``, ``autocast``).
     """
 
     def __init__(
@@ -403,6 +410,10 @@ class DigitsFeatures(FeatureExtractor):
     Trained once with a fixed seed (full-batch Adam, ~2 s on a CPU, ~99% train accuracy) and cached as
     ``<cache>/digits_classifier.pt``; later constructions load the file. Images are converted to grayscale in
     [0, 1] and resized to 8×8 (digits pixel value v ↔ v / 16).
+
+    Args:
+        path: the classifier's file (default: ``digits_classifier.pt`` in the library's cache directory).
+        kwargs: :class:`FeatureExtractor`'s options.
     """
 
     name = "digits"

@@ -69,6 +69,7 @@ class FrechetDistance(ReferenceCache, Metric):
     Args:
         extractor: a :class:`~lightning_muon.metrics.features.FeatureExtractor`.
         reset_real_features: whether ``reset()`` also clears the real-image sums.
+        kwargs: torchmetrics ``Metric`` options.
     """
 
     kind = "frechet"
@@ -251,6 +252,12 @@ class PrecisionRecallDensityCoverage(_FeatureSetMetric):
 
     ``compute()`` returns ``{"precision", "recall", "density", "coverage"}``. Under DDP the k-NN blocks and the
     real rows are split across ranks: one all-gather of k-NN candidates and one all-reduce of counts.
+
+    Args:
+        extractor: a :class:`~lightning_muon.metrics.FeatureExtractor`.
+        k: neighbours of the k-NN radii (Naeem et al. use 5).
+        chunk_size: rows per block of the distance matrices (memory ∝ ``chunk_size`` × samples).
+        kwargs: torchmetrics ``Metric`` options (``dist_sync_on_step``, ``process_group``, ...).
     """
 
     kind = "prdc"
@@ -282,8 +289,16 @@ class PrecisionRecallDensityCoverage(_FeatureSetMetric):
 
 
 class MaximumMeanDiscrepancy(_FeatureSetMetric):
-    """RBF-kernel MMD between real and generated features; with :class:`ClipFeatures` and the defaults this is CMMD.
-    Under DDP each rank sums the kernel over its share of row blocks; one all-reduce of three sums."""
+    r"""RBF-kernel MMD between real and generated features; with :class:`ClipFeatures` and the defaults this is CMMD.
+    Under DDP each rank sums the kernel over its share of row blocks; one all-reduce of three sums.
+
+    Args:
+        extractor: a :class:`~lightning_muon.metrics.FeatureExtractor`.
+        sigma: RBF bandwidth :math:`\sigma` (CMMD's 10).
+        scale: factor on the MMD (CMMD's 1000).
+        chunk_size: rows per kernel block, summed in float64.
+        kwargs: torchmetrics ``Metric`` options.
+    """
 
     kind = "mmd"
     higher_is_better = False
@@ -308,6 +323,16 @@ class KernelInceptionDistance(_FeatureSetMetric):
     ``index=`` to ``update`` so the gathered samples are in the single-process order the draws refer to.
 
     ``compute()`` returns ``{"kid": mean, "kid_std": std}``.
+
+    Args:
+        extractor: a :class:`~lightning_muon.metrics.FeatureExtractor` (InceptionV3 pool3 for KID).
+        subsets: random subsets drawn.
+        subset_size: real and generated features per subset.
+        degree: polynomial kernel degree.
+        gamma: kernel scale (``None``: 1 / feature dimension).
+        coef0: kernel offset.
+        seed: seed of the subset draws.
+        kwargs: torchmetrics ``Metric`` options.
     """
 
     kind = "kid"
@@ -342,7 +367,14 @@ class KernelInceptionDistance(_FeatureSetMetric):
 class InceptionScore(_FeatureLists):
     """Inception Score of generated images as torch-fidelity computes it (``splits`` splits of the shuffled
     ``InceptionFeatures(..., layer="logits")``); needs no real images. ``compute()`` returns
-    ``{"is": mean, "is_std": std}``. Pass ``index=`` to ``update`` under DDP to get the single-process order."""
+    ``{"is": mean, "is_std": std}``. Pass ``index=`` to ``update`` under DDP to get the single-process order.
+
+    Args:
+        extractor: an InceptionV3 logits extractor.
+        splits: splits of the generated set.
+        seed: seed of the shuffle (``None``: no shuffle).
+        kwargs: torchmetrics ``Metric`` options.
+    """
 
     higher_is_better = True
 
@@ -373,6 +405,7 @@ class HPSv2Score(Metric):
         weights: the HPS v2.1 checkpoint (``HPS_v2.1_compressed.pt``), a local file.
         model_name: open_clip architecture of the checkpoint (HPS v2.1: ``"ViT-H-14"``).
         batch_size: images per forward pass.
+        kwargs: torchmetrics ``Metric`` options.
     """
 
     higher_is_better = True

@@ -191,6 +191,7 @@ class GenEval2(Metric):
         benchmark: the reference's ``geneval2_data.jsonl`` (:func:`load_geneval2`).
         judge: the judge's weights (:class:`SoftTifaJudge`), or a judge.
         images_per_prompt: images generated per prompt (the reference maps each prompt to one image).
+        kwargs: torchmetrics ``Metric`` options.
     """
 
     higher_is_better = True

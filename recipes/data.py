@@ -167,7 +167,15 @@ class DigitsDataModule(L.LightningDataModule):
 
 
 class ImageFolderDataModule(L.LightningDataModule):
-    """:class:`ImageFolder` for training (class-conditional or captioned)."""
+    """:class:`~lightning_muon.metrics.images.ImageFolder` for training (class-conditional or captioned).
+
+    Args:
+        root: class sub-folders (``root/<class>/*.png``) or a captions file (``root/captions.jsonl``).
+        image_size: the side images are resized and center-cropped to.
+        batch_size: samples per rank and step.
+        num_workers: loader processes per rank.
+        skip_corrupt: replace an unreadable image by the next readable one (counted) instead of failing.
+    """
 
     def __init__(
         self, root: str, image_size: int = 256, batch_size: int = 32, num_workers: int = 4, skip_corrupt: bool = False

@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from lightning_muon.recipes.flags import plain_help
+
 CHECKS = (
     "versions",
     "bf16",
@@ -578,7 +580,9 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="lightning-muon doctor", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="lightning-muon doctor",
+        description=plain_help(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--device",

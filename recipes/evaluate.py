@@ -44,7 +44,7 @@ from lightning_muon.metrics.evaluation import (
 from lightning_muon.metrics.features import cache_dir
 from lightning_muon.optim.transport import note_gloo_collectives
 from lightning_muon.recipes.data import DigitsDataModule
-from lightning_muon.recipes.flags import option_names
+from lightning_muon.recipes.flags import option_names, plain_help
 from lightning_muon.recipes.module import DiTModule, checked_hparams
 from lightning_muon.recipes.networks import build_transformer, cast
 from lightning_muon.recipes.trust import checked_checkpoint, checkpoint_meta
@@ -230,7 +230,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, kind: type, **overr
 def build_parser() -> argparse.ArgumentParser:
     """The ``lightning-muon evaluate`` command line."""
     parser = argparse.ArgumentParser(
-        prog="lightning-muon evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="lightning-muon evaluate",
+        description=plain_help(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("runs", nargs="+", help="run directories or globs (checkpoints are found recursively)")
     parser.add_argument(

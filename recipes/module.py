@@ -70,24 +70,37 @@ class DiTModule(L.LightningModule):
         objective: ``"flow"`` or ``"ddpm"``.
         timestep_sampling: ``"logit_normal"`` or ``"uniform"`` (flow only).
         optimizer: ``"adamw"``, ``"muon"`` (K=1) or ``"periodic_muon"``.
-        lr: Muon lr (``adjust_lr`` scale). adamw_lr: lr of AdamW parameters (all of them for ``"adamw"``).
-        weight_decay / betas / momentum / period / rownorm_scale / auto_scale_multiplier / adjust_lr / ns_dtype:
-            optimizer options (``rownorm_scale="auto"``: a γ each matrix calibrates at its refreshes).
-        ns_steps / ns_coefficients / ns_normalize / ns_method: how refreshes orthogonalize (optimizer options: the
-            default is torch.optim.Muon's NS5; Turbo-Muon is ``ns_coefficients="turbo_muon"``,
-            ``ns_normalize="aol"``, ``ns_steps=4``; ``ns_method="gram"`` cuts FLOPs on rectangular matrices).
-        refresh_schedule / drift_threshold / min_period / max_period: the optimizer's ``schedule`` (``"fixed"``: every
-            ``period`` steps, or ``"adaptive"``: per matrix on momentum drift; see
-            :class:`~lightning_muon.PeriodicRowwiseMuon`).
+        lr: learning rate of the Muon parameters (scaled by ``adjust_lr``).
+        adamw_lr: learning rate of the AdamW parameters (all of them for ``"adamw"``).
+        weight_decay: decoupled weight decay of both branches.
+        betas: AdamW's :math:`(\\beta_1, \\beta_2)`.
+        momentum: Muon's momentum :math:`\\beta`.
+        period: :math:`K`, steps between NS5 refreshes (``"muon"`` uses 1).
+        rownorm_scale: :math:`\\gamma`, or ``"auto"`` / ``"auto_rms"``: a γ each matrix calibrates at its refreshes.
+        auto_scale_multiplier: the tunable factor on a calibrated γ.
+        adjust_lr: the shape factor :math:`s(m, n)` (:class:`~lightning_muon.optim.MuonConfig`).
+        ns_dtype: NS5 compute dtype (``None``: bf16 where it is native, else fp32).
+        ns_steps: Newton–Schulz iterations.
+        ns_coefficients: the NS coefficient schedule by name: the default is torch.optim.Muon's NS5 (``"jordan"``);
+            Turbo-Muon is ``ns_coefficients="turbo_muon"``, ``ns_normalize="aol"``, ``ns_steps=4``.
+        ns_normalize: ``"frobenius"`` or ``"aol"``.
+        ns_method: ``"standard"`` or ``"gram"`` (cuts FLOPs on rectangular matrices).
+        refresh_schedule: the optimizer's ``schedule``: ``"fixed"`` (every ``period`` steps) or ``"adaptive"`` (per
+            matrix on momentum drift; see :class:`~lightning_muon.PeriodicRowwiseMuon`).
+        drift_threshold: the adaptive schedule's drift that triggers a refresh.
+        min_period: the adaptive schedule's fewest steps between refreshes.
+        max_period: the adaptive schedule's most steps between refreshes (``None``: ``period``).
         refresh_warmup: how many first optimizer steps all refresh (K = 1) before the refresh schedule takes over.
         param_overrides: layer-wise options of Muon groups, ``{pattern or layer type: options}`` for
             :func:`~lightning_muon.muon_param_groups` (e.g. ``{"attention": {"period": 2}, "feed_forward":
             {"period": 4}}``).
-        warmup_steps: linear warm-up; schedule: ``"cosine"`` (to 0 at the last step), ``"constant"``, or ``"wsd"``
-            (warm-up, stable, then linear decay to 0 over the last ``decay_fraction`` of the steps; Hägele et al.
-            2024). Before its decay a WSD run *is* the constant run: a constant run checkpointed at step
-            ``T − round(decay_fraction·T)`` and resumed as WSD with ``max_steps=T`` is the WSD run of ``T`` steps,
-            so one constant run branches the whole quality-vs-budget frontier (``benchmarks/frontier_study.py``).
+        warmup_steps: steps of linear learning-rate warm-up.
+        schedule: ``"cosine"`` (to 0 at the last step), ``"constant"``, or ``"wsd"`` (warm-up, stable, then linear
+            decay to 0 over the last ``decay_fraction`` of the steps; Hägele et al. 2024). Before its decay a WSD run
+            *is* the constant run: a constant run checkpointed at step ``T − round(decay_fraction·T)`` and resumed
+            as WSD with ``max_steps=T`` is the WSD run of ``T`` steps, so one constant run branches the whole
+            quality-vs-budget frontier (``benchmarks/frontier_study.py``).
+        decay_fraction: the WSD schedule's decay share of the steps, in (0, 1].
         ema_decay: EMA of the weights (0 disables it).
         cfg_dropout: condition dropout probability.
         noise_seed: seed of the training draws (noise, timesteps, condition dropout): step ``s`` on rank ``r`` draws

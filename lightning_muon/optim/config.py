@@ -74,7 +74,9 @@ class MuonConfig:
             arithmetic).
         adjust_lr: shape factor :math:`s(m, n)`: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_unclamped"``.
         schedule: when matrices refresh, ``"fixed"`` or ``"adaptive"`` (:mod:`~lightning_muon.optim.schedules`).
-        drift_threshold / min_period / max_period: the adaptive schedule's bounds (``max_period=None``: ``period``).
+        drift_threshold: the adaptive schedule's drift that triggers a refresh.
+        min_period: the adaptive schedule's fewest steps between refreshes.
+        max_period: the adaptive schedule's most steps between refreshes (``None``: ``period``).
         refresh_warmup: :math:`t_w`, the first steps that all refresh (K = 1) before either schedule takes over.
     """
 

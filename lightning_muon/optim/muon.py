@@ -116,12 +116,35 @@ class PeriodicRowwiseMuon(Optimizer):
 
     Args:
         params: parameters or param groups (e.g. from :func:`lightning_muon.muon_param_groups`); a group's
-            ``use_muon`` (default ``True``) picks the branch. Named parameters ``(name, tensor)`` give errors names.
-        lr, momentum, nesterov, weight_decay, period, rownorm_scale, ns_*, adjust_lr, schedule: Muon group defaults
-            (:class:`~.config.MuonConfig`), as are drift_threshold, min_period, max_period, auto_scale_multiplier
-            and refresh_warmup (:math:`t_w`: the first steps all refresh, K = 1, before either schedule).
-        adamw_lr / adamw_weight_decay: defaults of AdamW groups (``None``: ``lr`` / ``weight_decay``); betas, eps:
-            :class:`~lightning_muon.optim.config.AdamWConfig`.
+            ``use_muon`` (default ``True``) picks the branch and its keys override the defaults below (Muon groups:
+            :class:`~lightning_muon.optim.MuonConfig`, AdamW groups: :class:`~lightning_muon.optim.AdamWConfig`).
+            Named parameters ``(name, tensor)`` give errors names.
+        lr: learning rate :math:`\eta` of Muon groups (a float or a 0-d tensor).
+        period: :math:`K`, steps between NS5 refreshes (1 = vanilla Muon).
+        rownorm_scale: :math:`\gamma`, the RowNorm step relative to the NS5 step, or ``"auto"`` / ``"auto_rms"``
+            (each matrix calibrates its own at its refreshes).
+        momentum: :math:`\beta` in [0, 1).
+        nesterov: use the Nesterov look-ahead :math:`N_t`.
+        weight_decay: decoupled weight decay :math:`\lambda` of Muon groups.
+        ns_steps: Newton–Schulz iterations.
+        ns_coefficients: one (a, b, c), a sequence of ``ns_steps`` triples, or a schedule name (``"jordan"``,
+            ``"polar_express"``, ``"turbo_muon"``).
+        ns_dtype: NS5 compute dtype or its name; ``None`` picks per device (bf16 where it is native, else fp32).
+        ns_eps: stabilizer of the NS5 normalization and of RowNorm (> 0).
+        ns_normalize: ``"frobenius"`` (as torch.optim.Muon) or ``"aol"`` (Turbo-Muon).
+        ns_method: ``"standard"`` or ``"gram"`` (Gram-space iteration where it needs fewer FLOPs).
+        adjust_lr: shape factor :math:`s(m, n)`: ``"original"``, ``"match_rms_adamw"`` or ``"spectral_unclamped"``.
+        schedule: when matrices refresh: ``"fixed"`` (every ``period`` steps) or ``"adaptive"`` (per matrix, on
+            momentum drift).
+        drift_threshold: the adaptive schedule's drift that triggers a refresh.
+        min_period: the adaptive schedule's fewest steps between refreshes.
+        max_period: the adaptive schedule's most steps between refreshes (``None``: ``period``).
+        auto_scale_multiplier: the tunable factor on a calibrated γ (``rownorm_scale="auto"``).
+        refresh_warmup: :math:`t_w`, the first steps that all refresh (K = 1) before either schedule takes over.
+        adamw_lr: learning rate of AdamW groups (``None``: ``lr``).
+        betas: AdamW's :math:`(\beta_1, \beta_2)`.
+        eps: AdamW's :math:`\varepsilon`.
+        adamw_weight_decay: weight decay of AdamW groups (``None``: ``weight_decay``).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` (above).
         foreach: multi-tensor elementwise kernels (``None``: on).
         fused: compile the RowNorm step with ``torch.compile`` into two passes per matrix (the first step compiles;

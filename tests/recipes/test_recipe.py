@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import lightning as L
@@ -120,6 +122,12 @@ def test_cli_help_lists_options(capsys):
     assert code == 0 and "--metrics" in out
     code, out = help_of("doctor", "--help")
     assert code == 0 and "--skip" in out and "pre-flight" in out
+    assert "lightning_muon.recipes.doctor_worker" in out  # a role's target, as plain text
+    for command in ("evaluate", "doctor"):  # help reads as text: no reStructuredText markup
+        assert not re.search(r":[a-z]+:`|``|\*\*", help_of(command, "--help")[1])
+    assert re.search(
+        r":[a-z]+:`", import_module("lightning_muon.recipes.doctor").__doc__
+    )  # the control: the source has it
 
 
 @pytest.mark.parametrize(
