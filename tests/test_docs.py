@@ -275,4 +275,14 @@ def test_a_broken_link_fails_the_build(tmp_path):
 
 
 def test_the_readme_is_a_front_page():
-    assert len((ROOT / "README.md").read_text().splitlines()) < 250
+    """Short, and readable on a package index: there a relative link leads nowhere (pages are named by path)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 250
+    assert relative_links(readme) == []
+    assert relative_links("see [the optimizer](docs/optimizer.md) and [arXiv](https://arxiv.org)") == [
+        "docs/optimizer.md"
+    ]  # the control
+
+
+def relative_links(markdown: str) -> list[str]:
+    return [t for t in re.findall(r"\]\(([^)\s]+)\)", markdown) if not re.match(r"https?://", t)]
