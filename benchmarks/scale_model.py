@@ -29,8 +29,8 @@ import torch
 from lightning_muon import muon_param_groups
 from lightning_muon.optim.kernels import ns_flops, row_norm_dim
 from lightning_muon.optim.shards import RowShard, assign_owners, bucket_indices
-from lightning_muon.recipes.cli import SHIPPED_CONFIGS, load_config
 from lightning_muon.recipes.networks import build_transformer
+from lightning_muon.recipes.shipped import SHIPPED_CONFIGS, load_config
 
 #: The paper's profiler, normalized step time (1.3B AdamW step = 1): Muon -> Periodic.
 PAPER = {"t2i_1p3b": (5.59, 4.20), "t2i_4b": (7.26, 5.68), "t2i_9b": (12.47, 10.26)}

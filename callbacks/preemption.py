@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_muon import compat
+import lightning_muon.compat as compat
 
 log = logging.getLogger(__name__)
 

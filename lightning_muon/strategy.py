@@ -50,7 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_muon import compat
+import lightning_muon.compat as compat
 from lightning_muon.callbacks.preemption import Preemption
 from lightning_muon.checkpoint import (
     META_FILE,

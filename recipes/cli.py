@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -19,53 +18,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
 from lightning_muon.checkpoint import exit_on_storage_error
 from lightning_muon.recipes.module import DiTModule
-
-CONFIGS = Path(__file__).parent / "configs"
-DEFAULT_CONFIG = CONFIGS / "digits_tiny.yaml"
-#: Every shipped run, as the ``--config`` files it stacks (later files override earlier ones).
-SHIPPED_CONFIGS = {
-    "digits_tiny": [DEFAULT_CONFIG],
-    "dit_xl2_imagenet256": [CONFIGS / "dit_xl2_imagenet256.yaml"],
-    **{f"t2i_{s}": [CONFIGS / "t2i_base.yaml", CONFIGS / f"t2i_{s}.yaml"] for s in ("1p3b", "4b", "9b", "15b")},
-}
-
-
-def shipped_config_paths(argv: list[str]) -> list[str]:
-    """``--config NAME`` (or ``-c NAME``, ``--config=NAME``) with ``NAME`` a shipped run (:data:`SHIPPED_CONFIGS`)
-    and no such file here becomes the installed YAML files it stacks (``t2i_1p3b``: ``t2i_base.yaml`` then
-    ``t2i_1p3b.yaml``), so the names work from a wheel in any directory; anything else passes unchanged."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ("-c", "--config") and i + 1 < len(argv):
-            flag, value, i = arg, argv[i + 1], i + 2
-        elif arg.startswith("--config="):
-            flag, value, i = "--config", arg.split("=", 1)[1], i + 1
-        else:
-            out.append(arg)
-            i += 1
-            continue
-        paths = SHIPPED_CONFIGS.get(value) if not Path(value).exists() else None
-        out += [part for path in paths for part in (flag, str(path))] if paths else [flag, value]
-    return out
-
-
-def _merge(base: dict, override: dict) -> dict:
-    out = dict(base)
-    for key, value in override.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def load_config(*paths: str | Path) -> dict:
-    """Stacked YAML configs as one dict, the way ``--config a --config b`` merges them (mappings merge, lists and
-    values of later files replace)."""
-    import yaml
-
-    config: dict = {}
-    for path in paths:
-        config = _merge(config, yaml.safe_load(Path(path).read_text()) or {})
-    return config
+from lightning_muon.recipes.shipped import DEFAULT_CONFIG, shipped_config_paths
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -108,7 +61,7 @@ class MuonCLI(LightningCLI):
             return
         try:
             path = resolve_checkpoint(ckpt_path)
-            hparams = checked_checkpoint(path)
+            hparams = checked_checkpoint(path, DiTModule)
         except (FileNotFoundError, ValueError) as err:
             sys.stderr.write(f"error: --ckpt_path: {err}\n")
             sys.exit(2)

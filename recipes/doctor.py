@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from lightning_muon.recipes.flags import plain_help
+from lightning_muon.recipes.shipped import CONFIGS, load_config
 
 CHECKS = (
     "versions",
@@ -258,7 +259,6 @@ def fused(device: torch.device) -> Result:
 def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, dict]:
     """The DiT config cut to two blocks (``None`` for a text-to-image config), one optimizer step of it at its per-GPU
     batch on CUDA (2 on a CPU): ``(model options, module, figures)``."""
-    from lightning_muon.recipes.cli import CONFIGS, load_config
     from lightning_muon.recipes.module import DiTModule
 
     full = load_config(config or CONFIGS / "dit_xl2_imagenet256.yaml")
@@ -482,7 +482,6 @@ trainer:
 def no_host_sync(device: torch.device, work: Path) -> Result:
     if device.type != "cuda":
         return Result("no host sync", "skipped", "CUDA's sync debug mode needs a GPU")
-    from lightning_muon.recipes.cli import CONFIGS
 
     world = min(torch.cuda.device_count(), 2)
     run = work / "sync_debug"

@@ -33,7 +33,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_muon import device
+import lightning_muon.device as device
 from lightning_muon.optim.shards import local
 from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.networks import build_transformer

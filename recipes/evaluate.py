@@ -45,9 +45,9 @@ from lightning_muon.metrics.features import cache_dir
 from lightning_muon.optim.transport import note_gloo_collectives
 from lightning_muon.recipes.data import DigitsDataModule
 from lightning_muon.recipes.flags import option_names, plain_help
-from lightning_muon.recipes.module import DiTModule, checked_hparams
+from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.networks import build_transformer, cast
-from lightning_muon.recipes.trust import checked_checkpoint, checkpoint_meta
+from lightning_muon.recipes.trust import checked_checkpoint, checked_hparams, checkpoint_meta
 
 __all__ = [
     "build_parser",
@@ -103,12 +103,12 @@ def plan_checkpoints(
 
 def module_from_hparams(hparams: dict[str, Any] | None) -> DiTModule:
     """A :class:`DiTModule` for sampling from saved hyperparameters, checked first
-    (:func:`~lightning_muon.recipes.module.checked_hparams`: plain data of the right types, nothing instantiated from
+    (:func:`~lightning_muon.recipes.trust.checked_hparams`: plain data of the right types, nothing instantiated from
     the file): the network on the meta device (no EMA copy: the weights loaded into it are the EMA's), frozen VAE /
     text encoder loaded from their saved paths."""
     if not hparams:
         raise ValueError("The checkpoint has no hyper_parameters: it was not written by DiTModule.")
-    module = DiTModule(**{**checked_hparams(hparams), "ema_decay": 0.0})
+    module = DiTModule(**{**checked_hparams(hparams, DiTModule), "ema_decay": 0.0})
     with torch.device("meta"):
         module.model = build_transformer(module.hparams.architecture, module.model_config)
     module.configure_model()  # the network exists: this loads only the frozen models
@@ -121,7 +121,7 @@ def load_generator(
     """The sampling network of a checkpoint — its EMA weights when it has them, else the trained ones — and the
     checkpoint's metadata. Only those weights are read (from a distributed checkpoint with a partial
     ``torch.distributed.checkpoint.load``), never the optimizer state or the other copy, directly in ``dtype``."""
-    hparams = checked_checkpoint(path, meta)  # complete, typed, and its sizes those of its weights
+    hparams = checked_checkpoint(path, DiTModule, meta)  # complete, typed, and its sizes those of its weights
     meta = checkpoint_meta(path) if meta is None else meta  # the sweep read it already when it planned
     module = module_from_hparams(hparams)
     prefix = "ema." if hparams.get("ema_decay", 0) > 0 else "model."

@@ -38,9 +38,10 @@ import sys
 
 import torch
 
-from lightning_muon import muon_param_groups
 from lightning_muon.parallelize import block_modules
+from lightning_muon.param_groups import muon_param_groups
 from lightning_muon.recipes.networks import build_transformer
+from lightning_muon.recipes.shipped import load_config
 
 #: Parameter counts of the published weights the configs point at (frozen models and metric networks).
 NOMINAL_PARAMS = {
@@ -139,7 +140,6 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0, refresh: str = "scatte
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_muon.recipes.cli import load_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", help="config files; a+b stacks b on a")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 import os
 from collections.abc import Sequence
@@ -16,9 +15,11 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
-from lightning_muon import PeriodicRowwiseMuon, device, muon_param_groups
+import lightning_muon.device as device
 from lightning_muon.callbacks.publish import log_on_logging_steps
+from lightning_muon.optim import PeriodicRowwiseMuon
 from lightning_muon.optim.config import MuonConfig, keys
+from lightning_muon.param_groups import muon_param_groups
 from lightning_muon.recipes.networks import (
     TINY_DIT,
     Architecture,
@@ -28,8 +29,9 @@ from lightning_muon.recipes.networks import (
     cast,
     load_local,
 )
+from lightning_muon.recipes.trust import checked_checkpoint
 
-__all__ = ["OPTIMIZERS", "DiTModule", "checked_hparams"]
+__all__ = ["OPTIMIZERS", "DiTModule"]
 
 # The choices of DiTModule's string options, as types: the CLI rejects a wrong value at parse time, naming it.
 Optimizer = Literal["adamw", "muon", "periodic_muon"]
@@ -203,10 +205,8 @@ class DiTModule(L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> DiTModule:
         """Lightning's ``load_from_checkpoint``, after :func:`~lightning_muon.recipes.trust.checked_checkpoint` of a
         file given by path: nothing sized by the file is allocated before its sizes are those of its weights."""
-        from lightning_muon.recipes.trust import checked_checkpoint
-
         if isinstance(checkpoint_path, (str, os.PathLike)):
-            checked_checkpoint(checkpoint_path)
+            checked_checkpoint(checkpoint_path, cls)
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------- model
@@ -533,41 +533,3 @@ class DiTModule(L.LightningModule):
         if (vae := self.vae) is not None:
             x = vae.decode((x / vae.config.scaling_factor).to(vae.dtype)).sample.float()
         return ((x.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
-
-
-#: Keys Lightning adds to saved hyper-parameters; ``_class_path`` may only name DiTModule itself.
-_LIGHTNING_KEYS = ("_instantiator", "_class_path")
-_OWN_CLASS_PATHS = (f"{DiTModule.__module__}.DiTModule", "lightning_muon.recipes.DiTModule")
-
-
-def checked_hparams(hparams: object) -> dict[str, Any]:
-    """A checkpoint's ``hyper_parameters``, checked against :class:`DiTModule`'s typed signature before anything is
-    built from them. Every value is parsed as its annotation, which is plain data (:data:`PlainValue`): nothing
-    named in the file is imported or instantiated. Lightning's own keys are dropped (``_class_path`` must name
-    DiTModule) and keys DiTModule does not take are dropped with a warning; missing ones stay missing.
-
-    Raises:
-        ValueError: the hyper-parameters are not a mapping, name another class, or hold a value of the wrong type.
-    """
-    import logging
-    from collections.abc import Mapping
-
-    from jsonargparse import ArgumentParser
-
-    if not isinstance(hparams, Mapping) or not all(isinstance(k, str) for k in hparams):
-        raise ValueError(f"Checkpoint hyper-parameters must be a mapping of names, got {type(hparams).__name__}.")
-    class_path = hparams.get("_class_path", _OWN_CLASS_PATHS[0])
-    if class_path not in _OWN_CLASS_PATHS:
-        raise ValueError(f"The checkpoint was saved for {class_path!r}, not DiTModule: it cannot be loaded here.")
-    accepted = inspect.signature(DiTModule.__init__).parameters
-    unknown = sorted(k for k in hparams if k not in accepted and k not in _LIGHTNING_KEYS)
-    if unknown:
-        logging.getLogger(__name__).warning("Ignoring hyper-parameters DiTModule does not take: %s", ", ".join(unknown))
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(DiTModule)
-    try:
-        parsed = parser.parse_object({k: v for k, v in hparams.items() if k in accepted}, defaults=True)
-    except Exception as err:  # jsonargparse's ArgumentError: a value that does not fit its type
-        reason = " ".join(str(err).split())
-        raise ValueError(f"Checkpoint hyper-parameters do not fit DiTModule: {reason}") from None
-    return {k: v for k, v in parsed.as_dict().items() if k in hparams}

@@ -13,18 +13,30 @@ length are checked against it.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from jsonargparse import ArgumentParser
 from torch import nn
 
 from lightning_muon.checkpoint import META_FILE, checkpoint_problem, is_distributed_checkpoint, read_metadata
 from lightning_muon.recipes.networks import TINY_DIT, build_transformer
 
-__all__ = ["SizeMismatch", "check_sizes", "checked_checkpoint", "checkpoint_meta", "planned_shapes", "saved_shapes"]
+__all__ = [
+    "SizeMismatch",
+    "check_sizes",
+    "checked_checkpoint",
+    "checked_hparams",
+    "checkpoint_meta",
+    "planned_shapes",
+    "saved_shapes",
+]
 
 Shape = tuple[int, ...]
 _BLOCK = re.compile(r"^transformer_blocks\.(\d+)\.")
@@ -86,7 +98,7 @@ def planned_shapes(
 
 
 def check_sizes(hparams: dict[str, Any], shapes: dict[str, Shape], path: str | os.PathLike) -> None:
-    """Refuse ``hparams`` (already :func:`~lightning_muon.recipes.module.checked_hparams`) that do not describe the
+    """Refuse ``hparams`` (already :func:`checked_hparams`) that do not describe the
     ``model.*`` tensors of ``shapes`` (:func:`saved_shapes` of ``path``), before anything is built for real.
 
     Checked: ``model_config.num_layers`` against the file's blocks; every tensor name and shape of the network on the
@@ -149,18 +161,53 @@ def checkpoint_meta(path: str | os.PathLike) -> dict[str, Any]:
     return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
 
 
-def checked_checkpoint(path: str | os.PathLike, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+#: Keys Lightning adds to saved hyper-parameters; ``_class_path`` may only name the module class itself.
+_LIGHTNING_KEYS = ("_instantiator", "_class_path")
+
+
+def checked_hparams(hparams: object, module_class: type) -> dict[str, Any]:
+    """A checkpoint's ``hyper_parameters``, checked against ``module_class``'s typed signature (``DiTModule``'s)
+    before anything is built from them. Every value is parsed as its annotation, which is plain data
+    (:data:`~lightning_muon.recipes.networks.PlainValue`): nothing named in the file is imported or instantiated.
+    Lightning's own keys are dropped (``_class_path`` must name ``module_class``) and keys it does not take are
+    dropped with a warning; missing ones stay missing.
+
+    Raises:
+        ValueError: the hyper-parameters are not a mapping, name another class, or hold a value of the wrong type.
+    """
+    name = module_class.__name__
+    if not isinstance(hparams, Mapping) or not all(isinstance(k, str) for k in hparams):
+        raise ValueError(f"Checkpoint hyper-parameters must be a mapping of names, got {type(hparams).__name__}.")
+    own = (f"{module_class.__module__}.{name}", f"lightning_muon.recipes.{name}")
+    class_path = hparams.get("_class_path", own[0])
+    if class_path not in own:
+        raise ValueError(f"The checkpoint was saved for {class_path!r}, not {name}: it cannot be loaded here.")
+    accepted = inspect.signature(module_class.__init__).parameters
+    unknown = sorted(k for k in hparams if k not in accepted and k not in _LIGHTNING_KEYS)
+    if unknown:
+        logging.getLogger(__name__).warning("Ignoring hyper-parameters %s does not take: %s", name, ", ".join(unknown))
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(module_class)
+    try:
+        parsed = parser.parse_object({k: v for k, v in hparams.items() if k in accepted}, defaults=True)
+    except Exception as err:  # jsonargparse's ArgumentError: a value that does not fit its type
+        reason = " ".join(str(err).split())
+        raise ValueError(f"Checkpoint hyper-parameters do not fit {name}: {reason}") from None
+    return {k: v for k, v in parsed.as_dict().items() if k in hparams}
+
+
+def checked_checkpoint(
+    path: str | os.PathLike, module_class: type, meta: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The hyper-parameters of the checkpoint at ``path`` (its :func:`checkpoint_meta` ``meta`` when already read),
     once the file is complete (:func:`~lightning_muon.checkpoint.checkpoint_problem`), they are plain data of
-    DiTModule's types (:func:`~lightning_muon.recipes.module.checked_hparams`) and they describe its weights
+    DiTModule's types (:func:`checked_hparams`) and they describe its weights
     (:func:`check_sizes`). Tensor bytes are not read.
 
     Raises:
         FileNotFoundError: there is no such file.
         ValueError: one line naming the file and what is wrong.
     """
-    from lightning_muon.recipes.module import checked_hparams
-
     if not Path(path).exists():
         raise FileNotFoundError(f"Checkpoint {path} does not exist.")
     if problem := checkpoint_problem(path):
@@ -169,7 +216,7 @@ def checked_checkpoint(path: str | os.PathLike, meta: dict[str, Any] | None = No
     if not meta.get("hyper_parameters"):
         raise ValueError(f"Checkpoint {path} has no hyper_parameters: it was not written by DiTModule.")
     try:
-        hparams = checked_hparams(meta["hyper_parameters"])
+        hparams = checked_hparams(meta["hyper_parameters"], module_class)
     except ValueError as err:
         raise ValueError(f"Checkpoint {path}: {err}") from None
     check_sizes(hparams, saved_shapes(path), path)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_muon import device
+import lightning_muon.device as device
 from lightning_muon.device import HostCopy
 from lightning_muon.optim.kernels import compiled_rownorm_kernels, drift_sums, lookahead, rownorm_sumsq
 from lightning_muon.optim.shards import local

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon import compat
+import lightning_muon.compat as compat
 from lightning_muon.optim.nonfinite import NonFiniteGradient, flags_ok
 from lightning_muon.optim.refresh import RefreshItem, buckets, measure, orthogonalize_items
 from lightning_muon.optim.shards import assign_owners

@@ -47,7 +47,7 @@ def hostile(source: Path, target: Path, **changes) -> Path:
 
 def test_hostile_sizes_are_refused_in_under_a_second_with_memory_flat(default_checkpoint, tmp_path):
     """200,000 layers of 64 heads × 128 (the issue's checkpoint); then each size a file declares, one at a time."""
-    assert checked_checkpoint(default_checkpoint)["period"] == 3  # the control: the true sizes pass
+    assert checked_checkpoint(default_checkpoint, DiTModule)["period"] == 3  # the control: the true sizes pass
     cases = {
         "num_layers": {"model_config": {**TINY_DIT, **HOSTILE}},
         "pos_embed.proj.weight": {"model_config": {**TINY_DIT, "num_attention_heads": 64, "attention_head_dim": 128}},
@@ -60,7 +60,7 @@ def test_hostile_sizes_are_refused_in_under_a_second_with_memory_flat(default_ch
         path = hostile(default_checkpoint, tmp_path / f"{named}.ckpt", **changes)
         before, start = resident_mib(), time.perf_counter()
         with pytest.raises(SizeMismatch, match=named) as info:
-            checked_checkpoint(path)
+            checked_checkpoint(path, DiTModule)
         seconds, grown = time.perf_counter() - start, resident_mib() - before
         assert seconds < 1.0 and grown < 50, (named, seconds, grown)
         assert str(path) in str(info.value) and "\n" not in str(info.value)
@@ -101,7 +101,7 @@ def test_check_sizes_names_a_missing_or_extra_tensor(default_checkpoint):
     from lightning_muon.recipes.trust import saved_shapes
 
     shapes = saved_shapes(default_checkpoint)
-    hparams = checked_checkpoint(default_checkpoint)
+    hparams = checked_checkpoint(default_checkpoint, DiTModule)
     extra = {**shapes, "model.extra.weight": (1,)}
     with pytest.raises(SizeMismatch, match="does not build model.extra.weight"):
         check_sizes(hparams, extra, "x")

@@ -15,7 +15,6 @@ import yaml
 from helpers import SMALL_DIT, tiny_text_encoder, tiny_vae
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from lightning_muon.recipes.cli import CONFIGS, SHIPPED_CONFIGS, load_config
 from lightning_muon.recipes.data import (
     DigitsDataModule,
     ImageFolder,
@@ -25,6 +24,7 @@ from lightning_muon.recipes.data import (
 )
 from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.networks import build_transformer
+from lightning_muon.recipes.shipped import CONFIGS, SHIPPED_CONFIGS, load_config
 
 
 def scalars(event_dir, tag):
@@ -610,7 +610,8 @@ def test_a_command_line_mistake_is_a_short_error_naming_the_option(mistake, name
 def test_a_shipped_config_by_name_from_any_directory(tmp_path, monkeypatch, capsys):
     """``--config NAME`` names a shipped run from any directory (a wheel install has no recipes/configs/ beside it);
     a file of that name in the directory wins, and an unknown name passes unchanged to the parser (the controls)."""
-    from lightning_muon.recipes.cli import SHIPPED_CONFIGS, main, shipped_config_paths
+    from lightning_muon.recipes.cli import main
+    from lightning_muon.recipes.shipped import SHIPPED_CONFIGS, shipped_config_paths
 
     base, size = (str(p) for p in SHIPPED_CONFIGS["t2i_1p3b"])
     assert shipped_config_paths(["fit", "-c", "t2i_1p3b", "--x", "1"]) == ["fit", "-c", base, "-c", size, "--x", "1"]

@@ -27,7 +27,7 @@ from helpers import (
     tiny_vlm_judge,
 )
 
-from lightning_muon.recipes.cli import SHIPPED_CONFIGS, load_config
+from lightning_muon.recipes.shipped import SHIPPED_CONFIGS, load_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

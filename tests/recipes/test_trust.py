@@ -24,7 +24,8 @@ from jsonargparse import ArgumentParser
 from lightning_muon.metrics.images import ImageFolder
 from lightning_muon.recipes.cli import main as cli
 from lightning_muon.recipes.evaluate import main as evaluate
-from lightning_muon.recipes.module import DiTModule, checked_hparams
+from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.trust import checked_hparams
 
 
 def command(path):
@@ -121,13 +122,13 @@ def test_a_checkpoint_whose_hyperparameters_name_a_command_runs_nothing(tmp_path
 )
 def test_hyperparameters_of_the_wrong_type_are_refused(hparams, message):
     with pytest.raises(ValueError, match=message):
-        checked_hparams(hparams)
+        checked_hparams(hparams, DiTModule)
 
 
 def test_saved_hyperparameters_round_trip_and_unknown_keys_are_dropped():
     module = DiTModule(model_config=SMALL_DIT, param_overrides={"attention": {"period": 2}}, betas=(0.8, 0.9))
     saved = {**dict(module.hparams), "_instantiator": "lightning.pytorch.cli.instantiate_module", "gone": 1}
-    checked = checked_hparams(saved)
+    checked = checked_hparams(saved, DiTModule)
     assert "gone" not in checked and "_instantiator" not in checked
     assert checked == {k: v for k, v in dict(module.hparams).items()}
 
