@@ -83,11 +83,9 @@ def _rank(rank: int, world: int, port: int, mode: str, root: str, batch: int, st
 
 
 def ranks(world: int, mode: str, root: Path, batch: int, steps=None, state=None) -> list[dict]:
-    import socket
+    from lightning_muon.parallelize import free_port  # the launcher stays light: torch loads in the ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_rank, args=(world, port, mode, str(root), batch, steps, state, out), nprocs=world)
         return [torch.load(f"{out}/{r}.pt", weights_only=False) for r in range(world)]

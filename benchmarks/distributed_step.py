@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from optimizer_step import block_shapes  # noqa: E402
 
 from lightning_muon import PeriodicRowwiseMuon  # noqa: E402
+from lightning_muon.parallelize import free_port
 
 VARIANTS = {
     "torch.optim.Muon": None,
@@ -199,11 +200,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
 
 
 def run_world(world: int, args: argparse.Namespace) -> dict:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         result_file = f"{tmp}/rank0.json"
         mp.spawn(worker, args=(world, port, args, result_file), nprocs=world)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -68,9 +67,9 @@ def worker(optimizer: str, without_grace: bool) -> None:
 
 def launch(optimizer: str, ranks: int, without_grace: bool) -> tuple[int, str]:
     """One torchrun launch: (return code, output)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lightning_muon.parallelize import free_port  # the launcher stays light: torch loads in the ranks
+
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
            "127.0.0.1", "--master-port", str(port), __file__, "--worker", "--optimizer", optimizer]  # fmt: skip
     cmd += ["--without-grace"] if without_grace else []

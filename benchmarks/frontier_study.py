@@ -142,7 +142,8 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
     from lightning.pytorch.callbacks import Callback
 
     from lightning_muon.recipes.data import DigitsDataModule
-    from lightning_muon.recipes.module import DiTModule, decay_steps
+    from lightning_muon.recipes.module import DiTModule
+    from lightning_muon.recipes.optimizers import decay_steps
 
     torch.set_num_threads(args.threads)
     spec = CONFIGS[unit.config]

@@ -5,6 +5,7 @@ precision policy. One definition of a block serves the sharding, the Muon/AdamW 
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -42,6 +43,14 @@ def rank_and_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a local process group's rendezvous (the doctor's, the tests' and the
+    benchmarks' multi-process runs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def find_blocks(module: nn.Module, blocks: Blocks = None) -> dict[str, nn.Module]:

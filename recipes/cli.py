@@ -16,9 +16,9 @@ import lightning as L
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
-from lightning_muon.checkpoint import exit_on_storage_error
 from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.shipped import DEFAULT_CONFIG, shipped_config_paths
+from lightning_muon.storage import exit_on_storage_error
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -70,7 +70,7 @@ class MuonCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """A read-only output directory is one line before anything is built, not a traceback at the first log."""
-        from lightning_muon.checkpoint import check_writable
+        from lightning_muon.storage import check_writable
 
         if self.subcommand:
             check_writable(self.config[self.subcommand].trainer.get("default_root_dir") or ".")

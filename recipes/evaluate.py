@@ -24,13 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_muon.checkpoint import (
-    atomic_write,
-    check_writable,
-    exit_on_storage_error,
-    is_distributed_checkpoint,
-    load_distributed,
-)
+from lightning_muon.checkpoint import is_distributed_checkpoint, load_distributed
 from lightning_muon.metrics.evaluation import (
     METRIC_NAMES,
     MetricSuite,
@@ -48,6 +42,7 @@ from lightning_muon.recipes.flags import option_names, plain_help
 from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.networks import build_transformer, cast
 from lightning_muon.recipes.trust import checked_checkpoint, checked_hparams, checkpoint_meta
+from lightning_muon.storage import atomic_write, check_writable, exit_on_storage_error
 
 __all__ = [
     "build_parser",

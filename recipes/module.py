@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
@@ -16,10 +15,11 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 
 import lightning_muon.device as device
+from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.publish import log_on_logging_steps
 from lightning_muon.optim import PeriodicRowwiseMuon
-from lightning_muon.optim.config import MuonConfig, keys
-from lightning_muon.param_groups import muon_param_groups
+from lightning_muon.optim.config import MuonConfig, NonFinite, NSDtype, RefreshSchedule, keys
+from lightning_muon.optim.kernels import AdjustLR, AutoScale, NSMethod, NSNormalize, NSPreset
 from lightning_muon.recipes.networks import (
     TINY_DIT,
     Architecture,
@@ -28,33 +28,20 @@ from lightning_muon.recipes.networks import (
     build_transformer,
     cast,
     load_local,
+    restore_initialization,
 )
+from lightning_muon.recipes.optimizers import OPTIMIZERS, LRSchedule, Optimizer, build_optimizer, lr_factor
 from lightning_muon.recipes.trust import checked_checkpoint
 
 __all__ = ["OPTIMIZERS", "DiTModule"]
 
-# The choices of DiTModule's string options, as types: the CLI rejects a wrong value at parse time, naming it.
-Optimizer = Literal["adamw", "muon", "periodic_muon"]
+# The choices of DiTModule's string options, as types: the CLI rejects a wrong value at parse time, naming it. The
+# optimizer's come from lightning_muon.optim (one list each), the recipe's own are here.
 Objective = Literal["flow", "ddpm"]
 TimestepSampling = Literal["logit_normal", "uniform"]
-LRSchedule = Literal["cosine", "constant", "wsd"]
-NonFinite = Literal["skip", "raise", "ignore"]
 FrozenDtype = Literal["auto", "bfloat16", "float32"]
-AdjustLR = Literal["original", "match_rms_adamw", "spectral_unclamped"]
-NSDtype = Literal["bfloat16", "float32", "float64"]
-NSNormalize = Literal["frobenius", "aol"]
-NSMethod = Literal["standard", "gram"]
-RefreshSchedule = Literal["fixed", "adaptive"]
-AutoScale = Literal["auto", "auto_rms"]
-OPTIMIZERS = get_args(Optimizer)
 OBJECTIVES = get_args(Objective)
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def decay_steps(total: int, fraction: float) -> int:
-    """Steps of a WSD schedule's linear decay: ``max(1, round(fraction · total))``; its stable phase ends at
-    ``total − decay_steps`` (where the frontier study branches)."""
-    return max(1, round(fraction * total))
 
 
 class DiTModule(L.LightningModule):
@@ -144,7 +131,7 @@ class DiTModule(L.LightningModule):
         adjust_lr: AdjustLR = "original",
         ns_dtype: NSDtype | None = None,
         ns_steps: int = 5,
-        ns_coefficients: str = "jordan",
+        ns_coefficients: NSPreset = "jordan",
         ns_normalize: NSNormalize = "frobenius",
         ns_method: NSMethod = "standard",
         refresh_schedule: RefreshSchedule = "fixed",
@@ -285,25 +272,7 @@ class DiTModule(L.LightningModule):
         """After meta-device init: ``reset_parameters()`` re-initialized Linear / Conv / Norm / Embedding shards;
         this restores the rest — the sin-cos position embeddings and PixArt's ``scale_shift_table`` (randn / √d, as
         diffusers) — and copies the weights into the EMA."""
-        from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        g = torch.Generator().manual_seed(0)
-        for module in self.model.modules():
-            if isinstance(module, PatchEmbed) and module.pos_embed is not None:
-                grid = int(module.pos_embed.shape[1] ** 0.5)
-                table = get_2d_sincos_pos_embed(
-                    module.pos_embed.shape[-1],
-                    grid,
-                    base_size=module.base_size,
-                    interpolation_scale=module.interpolation_scale,
-                    output_type="pt",
-                )
-                module.pos_embed.copy_(table.float().unsqueeze(0).to(module.pos_embed.device))
-        for name, p in self.model.named_parameters():
-            if name.endswith("scale_shift_table"):
-                full = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
-                p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
+        restore_initialization(self.model)
         if self.ema is not None:
             for e, p in zip(self.ema.parameters(), self.model.parameters()):
                 e.copy_(p)
@@ -433,8 +402,6 @@ class DiTModule(L.LightningModule):
 
     def configure_callbacks(self) -> list[Callback]:
         """The EMA update (:class:`~lightning_muon.callbacks.EMA`, once per optimizer step) when ``ema_decay > 0``."""
-        from lightning_muon.callbacks.ema import EMA
-
         return [EMA(self.hparams.ema_decay)] if self.hparams.ema_decay > 0 else []
 
     # ------------------------------------------------------------------------------------------- optimizers
@@ -449,25 +416,15 @@ class DiTModule(L.LightningModule):
         return muon, adamw
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant/WSD lr."""
+        """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant/WSD lr
+        (:mod:`~lightning_muon.recipes.optimizers`)."""
         h = self.hparams
-        options, adamw = self.optimizer_options()
-        if h.optimizer == "adamw":  # every parameter on AdamW: PeriodicRowwiseMuon's AdamW groups are torch's AdamW
-            groups = [{"params": list(self.model.named_parameters()), "use_muon": False, **adamw}]
-        else:
-            groups = muon_param_groups(self.model, adamw=adamw, overrides=h.param_overrides or {})
-        opt = PeriodicRowwiseMuon(groups, **options)
+        muon, adamw = self.optimizer_options()
+        opt = build_optimizer(self.model, h.optimizer, muon, adamw, h.param_overrides or {})
         total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
 
         def factor(step: int) -> float:
-            if step < h.warmup_steps:
-                return (step + 1) / h.warmup_steps
-            if h.schedule == "constant":
-                return 1.0
-            if h.schedule == "wsd":  # 1 until the decay's first step T − d, then (T − step)/d: 1/d at the last
-                return min(1.0, (total - step) / decay_steps(total, h.decay_fraction))
-            progress = min(1.0, (step - h.warmup_steps) / max(1, total - h.warmup_steps))
-            return 0.5 * (1 + math.cos(math.pi * progress))
+            return lr_factor(step, total, h.warmup_steps, h.schedule, h.decay_fraction)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = ["ARCHITECTURES", "TINY_DIT", "PlainValue", "PromptEncoder", "build_transformer", "cast", "load_local"]
 
@@ -101,3 +102,28 @@ class PromptEncoder(nn.Module):
 
     def train(self, mode: bool = True) -> PromptEncoder:
         return super().train(False)  # frozen: no dropout whatever the parent does
+
+
+@torch.no_grad()
+def restore_initialization(model: nn.Module) -> None:
+    """After a meta-device build and ``reset_parameters()`` of the shards: restore what that reset does not — the
+    sin-cos position embeddings and PixArt's ``scale_shift_table`` (randn / √d, as diffusers; each shard its part of
+    one seeded full table)."""
+    from diffusers.models.embeddings import PatchEmbed, get_2d_sincos_pos_embed
+
+    g = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, PatchEmbed) and module.pos_embed is not None:
+            grid = int(module.pos_embed.shape[1] ** 0.5)
+            table = get_2d_sincos_pos_embed(
+                module.pos_embed.shape[-1],
+                grid,
+                base_size=module.base_size,
+                interpolation_scale=module.interpolation_scale,
+                output_type="pt",
+            )
+            module.pos_embed.copy_(table.float().unsqueeze(0).to(module.pos_embed.device))
+    for name, p in model.named_parameters():
+        if name.endswith("scale_shift_table"):
+            full = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+            p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)

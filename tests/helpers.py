@@ -2,6 +2,8 @@
 
 import torch
 
+from lightning_muon.parallelize import free_port
+
 
 def tiny_dit(num_layers: int = 2, num_classes: int = 10, seed: int = 0):
     from diffusers import DiTTransformer2DModel
@@ -49,14 +51,6 @@ TINY_DIT = {**SMALL_DIT, "attention_head_dim": 8, "num_layers": 1}
 
 
 # ------------------------------------------------------------------------------------------- multi-process runs
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _distributed_entry(rank, fn, world_size, port, out_dir, args):
     import torch.distributed as dist
 

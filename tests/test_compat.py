@@ -10,10 +10,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port
 from torch import nn
 
 from lightning_muon import compat
+from lightning_muon.parallelize import free_port
 
 PACKAGE = [Path(__file__).parents[1] / d for d in ("lightning_muon", "callbacks", "metrics", "recipes")]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -37,14 +37,16 @@ __all__ = [
     "param_name",
 ]
 
-NONFINITE_MODES = ("skip", "raise", "ignore")
-SCHEDULES = ("fixed", "adaptive")
+NonFinite = Literal["skip", "raise", "ignore"]
+RefreshSchedule = Literal["fixed", "adaptive"]
+NSDtype = Literal["bfloat16", "float32", "float64"]
+NONFINITE_MODES, SCHEDULES = get_args(NonFinite), get_args(RefreshSchedule)
 #: per-matrix state whose shape is not the parameter's (the others, moments and buffers, are shaped like it)
 STATE_SHAPES = {"refresh_scales": (2,)}
 #: per-parameter facts of a Muon group, not hyperparameters (:class:`~lightning_muon.optim.matrices.MatrixLayout`):
 #: :func:`~lightning_muon.muon_param_groups` sets them from the layer (transformers ``Conv1D``, fused projections)
 LAYOUT_DEFAULTS = {"transposed": False, "pieces": 1}
-NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+NS_DTYPES = dict(zip(get_args(NSDtype), (torch.bfloat16, torch.float32, torch.float64), strict=True))
 
 
 @dataclass(frozen=True)

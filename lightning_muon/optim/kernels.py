@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -30,9 +30,13 @@ __all__ = [
 
 #: Keller Jordan's quintic coefficients (a, b, c), also torch.optim.Muon's defaults.
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-ADJUST_LR_CHOICES = ("original", "match_rms_adamw", "spectral_unclamped")
-NS_METHODS = ("standard", "gram")
-NS_NORMALIZE = ("frobenius", "aol")
+# The choices of the string options, as types (the recipe's CLI checks them at parse time) and as tuples: one list.
+AdjustLR = Literal["original", "match_rms_adamw", "spectral_unclamped"]
+NSMethod = Literal["standard", "gram"]
+NSNormalize = Literal["frobenius", "aol"]
+NSPreset = Literal["jordan", "polar_express", "turbo_muon"]
+AutoScale = Literal["auto", "auto_rms"]
+ADJUST_LR_CHOICES, NS_METHODS, NS_NORMALIZE = get_args(AdjustLR), get_args(NSMethod), get_args(NSNormalize)
 
 #: Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv 2505.16932): one optimal odd quintic per iteration,
 #: the 5-step schedule of modded-nanogpt (with its 2% safety factor on the normalization).
@@ -47,11 +51,13 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[tuple[float, float, float], ...] = (
 #: order; ``ns_steps`` truncates it or repeats its last triple (as the Polar Express reference does).
 #: "turbo_muon" is Polar Express without its first triple, for AOL-preconditioned input (Boissin et al. 2025,
 #: arXiv 2512.04632, modded-nanogpt record 2025-11-11: "drop the first iteration of the usual coefficients").
-NS_PRESETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]] = {
-    "jordan": ((DEFAULT_NS_COEFFICIENTS,), 1.0),
-    "polar_express": (POLAR_EXPRESS_COEFFICIENTS, 1.02),
-    "turbo_muon": (POLAR_EXPRESS_COEFFICIENTS[1:], 1.02),
-}
+NS_PRESETS: dict[str, tuple[tuple[tuple[float, float, float], ...], float]] = dict(
+    zip(
+        get_args(NSPreset),
+        [((DEFAULT_NS_COEFFICIENTS,), 1.0), (POLAR_EXPRESS_COEFFICIENTS, 1.02), (POLAR_EXPRESS_COEFFICIENTS[1:], 1.02)],
+        strict=True,
+    )
+)
 #: Gram-space iteration: restart (fold Q into X, recompute the Gram) before these iterations, as the
 #: gram-newton-schulz reference recommends for 5 steps (the Gram squares X's condition number).
 GRAM_RESTARTS = (2,)
@@ -328,7 +334,7 @@ def drift_sums(M: Tensor, G: Tensor, R: Tensor, beta: float, nesterov: bool, dim
 
 
 #: ``rownorm_scale`` values that calibrate γ per matrix at every refresh (:func:`refresh_scales`)
-AUTO_SCALES = {"auto": 0, "auto_rms": 1}
+AUTO_SCALES = {name: i for i, name in enumerate(get_args(AutoScale))}  # the index of its row in the state
 
 
 def refresh_scales(N: Tensor, U: Tensor, eps: float = 1e-7) -> Tensor:
@@ -411,49 +417,6 @@ def rownorm_update_(
         W.addcdiv_(N, den / scale)
     else:
         W.addcdiv_(N, den, value=scale)
-
-
-@functools.cache
-def compiled_rownorm_kernels() -> tuple[Callable[..., Tensor], Callable[..., None]]:
-    """:func:`rownorm_sumsq` and :func:`rownorm_update_` compiled by inductor into one pass each, with the same
-    signatures, compiled once per orientation (wide / tall) and never again as training goes on: shapes are dynamic,
-    and every value that changes from step to step or group to group reaches the compiled update as a 0-d device
-    tensor — the verdict (all-true when unchecked), the decay (also when it is 1), ``-lr·s`` and γ — so no Python
-    branch or constant guards a recompile (past torch's recompile limit a step would fail, or on older torch fall
-    back to eager silently).
-    Matrices with fewer than 2 local rows or columns (empty or one-row shards) run the eager kernels: dynamic shapes
-    still specialize sizes 0 and 1."""
-    sumsq = torch.compile(rownorm_sumsq, dynamic=True, fullgraph=True)
-    update = torch.compile(rownorm_update_, dynamic=True, fullgraph=True)
-
-    def fused_sumsq(M: Tensor, G: Tensor, beta: float, nesterov: bool, dim: int) -> Tensor:
-        return (sumsq if min(M.shape) >= 2 else rownorm_sumsq)(M, G, beta, nesterov, dim)
-
-    def fused_update(
-        W: Tensor,
-        M: Tensor,
-        G: Tensor,
-        sumsq: Tensor,
-        beta: float,
-        nesterov: bool,
-        decay: float | Tensor,
-        scale: float | Tensor,
-        eps: float,
-        ok: Tensor | None = None,
-        gamma: float | Tensor = 1.0,
-    ) -> None:
-        if min(W.shape) < 2:
-            return rownorm_update_(W, M, G, sumsq, beta, nesterov, decay, scale, eps, ok, gamma)
-
-        dtype = torch.promote_types(W.dtype, torch.float32)  # as a Python scalar is applied (float64 stays exact)
-
-        def on_device(value: float | Tensor) -> Tensor:  # a fill kernel, not a host-to-device copy
-            return value if isinstance(value, Tensor) else torch.full((), value, dtype=dtype, device=W.device)
-
-        ok = torch.ones((), dtype=torch.bool, device=W.device) if ok is None else ok
-        update(W, M, G, sumsq, beta, nesterov, on_device(decay), on_device(scale), eps, ok, on_device(gamma))
-
-    return fused_sumsq, fused_update
 
 
 def shape_factor(shape: Sequence[int], adjust_lr: str = "original") -> float:

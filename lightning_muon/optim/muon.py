@@ -5,6 +5,7 @@ The class is the step's outline; each concept lives in one module it calls, and 
 - options, defaults, validation: :mod:`~lightning_muon.optim.config`;
 - when matrices refresh: :mod:`~lightning_muon.optim.schedules`;
 - the non-finite verdict: :mod:`~lightning_muon.optim.nonfinite`;
+- the step's plan (which matrices refresh, which take RowNorm; their shards): :mod:`~lightning_muon.optim.plan`;
 - the refresh (items, write, single-device pass): :mod:`~lightning_muon.optim.refresh`, sharded through
   :mod:`~lightning_muon.optim.transport` (every collective), both on :mod:`~lightning_muon.optim.kernels`;
 - the AdamW branch: :mod:`~lightning_muon.optim.adamw`.
@@ -13,14 +14,13 @@ The class is the step's outline; each concept lives in one module it calls, and 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.optim.adamw import adamw_step, init_adamw_state
+from lightning_muon.optim.adamw import adamw_step
 from lightning_muon.optim.config import (
     LAYOUT_DEFAULTS,
     branch_defaults,
@@ -29,59 +29,23 @@ from lightning_muon.optim.config import (
     check_saved_group,
     check_step_options,
     fill_group_defaults,
-    orthogonalizer,
     param_name,
     prepare_group,
 )
+from lightning_muon.optim.fused import compiled_rownorm_kernels
 from lightning_muon.optim.kernels import (
     DEFAULT_NS_COEFFICIENTS,
     Coefficients,
-    compiled_rownorm_kernels,
     rownorm_update_,
-    shape_factor,
 )
-from lightning_muon.optim.matrices import MatrixLayout
 from lightning_muon.optim.nonfinite import NonFiniteGradient, culprit, flags_ok, local_flag
-from lightning_muon.optim.refresh import RefreshItem, local_refresh, refresh_scales_of, rownorm_gamma, write_refresh
+from lightning_muon.optim.plan import RowNormItem, Work, plan_group, refresh_items, step_scales
+from lightning_muon.optim.refresh import RefreshItem, local_refresh, rownorm_gamma, write_refresh
 from lightning_muon.optim.schedules import HOST_STATE, AdaptiveSchedule, FixedSchedule, refresh_counts
-from lightning_muon.optim.shards import RowShard, local, mesh_group, row_shard
+from lightning_muon.optim.shards import local, mesh_group
 from lightning_muon.optim.transport import CommStats, gather_refresh, owned_flops, scatter_refresh, start_all_reduce
 
 __all__ = ["PeriodicRowwiseMuon"]
-
-
-@dataclass
-class _RowNorm:
-    """One matrix taking RowNorm this step: its row statistics Σ N² (``split``: partial until all-reduced, its
-    oriented rows span ranks) and, under a drift-measuring schedule, the drift's sums and the drift."""
-
-    index: int
-    dim: int  # the stored axis its sums run over
-    split: bool
-    crosses_ranks: bool  # some of its sums are partial over ranks
-    sumsq: Tensor | None = None
-    drift_sums: list[Tensor] = field(default_factory=list)
-    drift: Tensor | None = None
-
-    def partials(self) -> list[Tensor]:
-        return ([self.sumsq] if self.split else []) + (self.drift_sums if self.crosses_ranks else [])
-
-
-@dataclass
-class _Work:
-    """One group's step: params with gradients, their local views, states and row shardings, and the plan."""
-
-    group: dict[str, Any]
-    schedule: FixedSchedule | None
-    layout: MatrixLayout  # the logical matrices of the group's parameters
-    params: list[Tensor] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)  # in the group
-    weights: list[Tensor] = field(default_factory=list)
-    grads: list[Tensor] = field(default_factory=list)
-    states: list[dict[str, Any]] = field(default_factory=list)
-    shards: list[RowShard] = field(default_factory=list)
-    refresh: list[int] = field(default_factory=list)
-    rownorm: list[_RowNorm] = field(default_factory=list)
 
 
 class PeriodicRowwiseMuon(Optimizer):
@@ -280,8 +244,8 @@ class PeriodicRowwiseMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        works = [self._plan(group) for group in self.param_groups]
-        items = [it for w in works for it in self._refresh_items(w)]
+        works = [plan_group(group, self.state, self._schedules) for group in self.param_groups]
+        items = [it for w in works for it in refresh_items(w, self.measure_scales)]
         sharded = [it for it in items if it.shard.sharded]
         ok, flag = self._statistics(works, flag_rides_refresh=bool(sharded))
         if self.nonfinite == "raise" and ok is not None and not bool(ok):
@@ -305,39 +269,7 @@ class PeriodicRowwiseMuon(Optimizer):
             self._skipped = (0 if self._skipped is None else self._skipped) + (~ok).long()
         return loss
 
-    def _plan(self, group: dict[str, Any]) -> _Work:
-        """Params with gradients, their local views and state (created as zeros), and which branch each takes."""
-        schedule = self._schedules[group["schedule"]] if group["use_muon"] else None
-        work = _Work(group, schedule, MatrixLayout.of(group))
-        for i, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse or torch.is_complex(p):
-                kind = "has a sparse gradient" if p.grad.is_sparse else "is complex"
-                raise RuntimeError(f"{param_name(group, i)} {kind}; PeriodicRowwiseMuon needs dense real tensors.")
-            state = self.state[p]
-            if not state and schedule is not None:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                schedule.init_state(state, p)
-            elif not state:
-                init_adamw_state(state, p)
-            work.params.append(p)
-            work.indices.append(i)
-            work.weights.append(local(p))
-            work.grads.append(local(p.grad))
-            work.states.append(state)
-            work.shards.append(row_shard(p) if schedule is not None else RowShard(tuple(p.shape)))
-        if schedule is not None and work.params:
-            due = schedule.plan(group, work.states)
-            work.refresh = [i for i, d in enumerate(due) if d]
-            for i in (i for i, d in enumerate(due) if not d):
-                shard = work.shards[i]
-                dim = work.layout.reduce_dim(shard.shape)
-                split = dim == -len(shard.shape) and shard.sharded  # it sums over dim 0, the sharded one
-                work.rownorm.append(_RowNorm(i, dim, split, split or (schedule.measures_drift and shard.sharded)))
-        return work
-
-    def _statistics(self, works: list[_Work], flag_rides_refresh: bool) -> tuple[Tensor | None, Tensor | None]:
+    def _statistics(self, works: list[Work], flag_rides_refresh: bool) -> tuple[Tensor | None, Tensor | None]:
         """Row statistics of every RowNorm matrix, completed across ranks, and the step's verdict.
 
         Returns ``(ok, flag)``: the verdict shared by all ranks (None: unchecked, or ``flag`` — this rank's — rides
@@ -373,7 +305,7 @@ class PeriodicRowwiseMuon(Optimizer):
             return (flags_ok(flag) if checking else None), None
         return None, flag
 
-    def _measure(self, work: _Work, r: _RowNorm) -> None:
+    def _measure(self, work: Work, r: RowNormItem) -> None:
         """Read-only: Σ N² along the matrix's reduction axis (and its schedule's sums) from the old momentum."""
         buf = local(work.states[r.index]["momentum_buffer"])
         r.sumsq, r.drift_sums = work.schedule.statistics(
@@ -381,7 +313,7 @@ class PeriodicRowwiseMuon(Optimizer):
         )
 
     def _sharded_refresh(
-        self, works: list[_Work], items: list[RefreshItem], ok: Tensor | None, flag: Tensor | None
+        self, works: list[Work], items: list[RefreshItem], ok: Tensor | None, flag: Tensor | None
     ) -> Tensor | None:
         """Every sharded refresh of the step through the transport, each bucket written as it arrives."""
         transport = gather_refresh if self.refresh_mode == "gather" else scatter_refresh
@@ -402,40 +334,17 @@ class PeriodicRowwiseMuon(Optimizer):
         )
         return ok
 
-    def _refresh_items(self, work: _Work) -> list[RefreshItem]:
-        if not work.refresh:
-            return []
-        group = work.group
-        ortho = orthogonalizer(group, work.weights[0].device)
-        measured = self.measure_scales or isinstance(group["rownorm_scale"], str)
-        items = []
-        for i in work.refresh:
-            decay, scale = _scales(group, work.layout, work.shards[i].shape)
-            buf, state = local(work.states[i]["momentum_buffer"]), work.states[i]
-            scales = refresh_scales_of(state, work.weights[i]) if measured else None
-            items.append(RefreshItem(work.shards[i], work.weights[i], buf, work.grads[i], group["momentum"],
-                                     group["nesterov"], decay, scale, ortho, scales, work.layout))  # fmt: skip
-        return items
-
-    def _rownorm(self, work: _Work, ok: Tensor | None) -> None:
+    def _rownorm(self, work: Work, ok: Tensor | None) -> None:
         """W ← W(1 - lr·wd) - lr·γ·s·RowNorm(N) with the measured row statistics, one fused pass per matrix."""
         update = compiled_rownorm_kernels()[1] if self.fused else rownorm_update_
         group = work.group
         for r in work.rownorm:
-            decay, scale = _scales(group, work.layout, work.shards[r.index].shape)
+            decay, scale = step_scales(group, work.layout, work.shards[r.index].shape)
             state, weight = work.states[r.index], work.weights[r.index]
             gamma = rownorm_gamma(group, state, weight)
             update(weight, local(state["momentum_buffer"]), work.grads[r.index], r.sumsq, group["momentum"],
                    group["nesterov"], decay, scale, group["ns_eps"], ok, gamma)  # fmt: skip
 
 
-def _named_grads(works: list[_Work]) -> list[tuple[str, Tensor]]:
+def _named_grads(works: list[Work]) -> list[tuple[str, Tensor]]:
     return [(param_name(w.group, i), g) for w in works for i, g in zip(w.indices, w.grads)]
-
-
-def _scales(
-    group: dict[str, Any], layout: MatrixLayout, shape: tuple[int, ...]
-) -> tuple[float | Tensor, float | Tensor]:
-    """``(decay, -lr·s(m,n))`` of a parameter, s of its logical matrices: floats, or 0-d tensors with a tensor lr."""
-    lr = group["lr"]
-    return 1 - lr * group["weight_decay"], -lr * shape_factor(layout.matrix_shape(shape), group["adjust_lr"])

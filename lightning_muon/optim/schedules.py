@@ -23,7 +23,8 @@ from torch import Tensor
 
 import lightning_muon.device as device
 from lightning_muon.device import HostCopy
-from lightning_muon.optim.kernels import compiled_rownorm_kernels, drift_sums, lookahead, rownorm_sumsq
+from lightning_muon.optim.fused import compiled_rownorm_kernels
+from lightning_muon.optim.kernels import drift_sums, lookahead, rownorm_sumsq
 from lightning_muon.optim.shards import local
 
 __all__ = ["AdaptiveSchedule", "FixedSchedule", "refresh_counts"]

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import free_port, tiny_dit, tiny_pixart
+from helpers import tiny_dit, tiny_pixart
 from torch import nn
 
 from lightning_muon import PeriodicRowwiseMuon, find_blocks, muon_param_groups, shard_transformer
+from lightning_muon.parallelize import free_port
 
 
 def llama():

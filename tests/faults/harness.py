@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -36,6 +35,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_muon import MuonFSDPStrategy, PeriodicRowwiseMuon, muon_param_groups
 from lightning_muon.checkpoint import newest_checkpoint
+from lightning_muon.parallelize import free_port
 
 WIDTH, SAMPLES, BATCH = 32, 96, 8  # 6 steps per epoch with 2 ranks
 
@@ -203,12 +203,6 @@ def worker(rank: int, world: int, port: int, out: Path, ckpt_dir: Path, referenc
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, out: Path, ckpt_dir: Path, reference: Path, **args) -> dict[int, int]:

@@ -20,7 +20,6 @@ import torch.distributed.checkpoint as dcp
 from helpers import (
     TINY_DIT,
     fork_ranks,
-    free_port,
     random_inception_state_dict,
     tiny_dinov2,
     tiny_open_clip_config,
@@ -35,6 +34,7 @@ from lightning_muon.checkpoint import (
     newest_checkpoint,
     remove_checkpoint,
 )
+from lightning_muon.parallelize import free_port
 
 HARNESS = Path(__file__).parent / "harness.py"
 

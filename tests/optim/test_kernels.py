@@ -95,7 +95,7 @@ def compile_counts(monkeypatch, kernels, calls):
 
     from torch._dynamo.utils import counters
 
-    import lightning_muon.optim.kernels as kernels_module
+    import lightning_muon.optim.fused as kernels_module
 
     torch._dynamo.reset()
     kernels_module.compiled_rownorm_kernels.cache_clear()
@@ -133,7 +133,8 @@ def test_the_fused_kernels_compile_once_per_orientation_whatever_the_run_does(mo
     step fails under ``fullgraph`` on torch 2.14, or falls back to eager silently on older torch). Control: the
     kernels compiled plainly recompile for sizes 0 and 1, the verdict, a decay of 1 and a tensor lr or γ — past the
     limit."""
-    from lightning_muon.optim.kernels import compiled_rownorm_kernels, rownorm_sumsq, rownorm_update_
+    from lightning_muon.optim.fused import compiled_rownorm_kernels
+    from lightning_muon.optim.kernels import rownorm_sumsq, rownorm_update_
 
     graphs, recompiles = compile_counts(monkeypatch, compiled_rownorm_kernels, fused_steps)
     assert graphs <= 4, recompiles

@@ -16,7 +16,6 @@ import pytest
 import torch
 import yaml
 from helpers import (
-    free_port,
     geneval2_benchmark,
     image_folder,
     random_inception_state_dict,
@@ -27,6 +26,7 @@ from helpers import (
     tiny_vlm_judge,
 )
 
+from lightning_muon.parallelize import free_port
 from lightning_muon.recipes.shipped import SHIPPED_CONFIGS, load_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
