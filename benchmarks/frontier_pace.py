@@ -45,7 +45,8 @@ def pace(arms: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[
     for arm in arms:
         torch.manual_seed(0)
         lr = {"lr": args.lr_muon} if is_muon(arm) else {"adamw_lr": args.lr_adamw}
-        module = DiTModule(model_config=spec["model_config"], schedule="constant", **RUN_OPTIONS, **ARMS[arm], **lr)
+        options = dict(model_config=spec["model_config"], schedule="constant", **RUN_OPTIONS, **ARMS[arm], **lr)
+        module = DiTModule(**DiTModule.upgrade_hparams(options))  # the arms are written flat (frontier_study.ARMS)
         module.configure_model()
         runs[arm] = (module, module.configure_optimizers()["optimizer"])
     clocks = {arm: {"step_s": [], "optimizer_s": []} for arm in arms}

@@ -73,7 +73,8 @@ COLUMNS = [
 ]
 
 PERIODIC = {"optimizer": "periodic_muon", "period": 3, "rownorm_scale": 0.15}
-#: the arms: DiTModule options beside the lr (``lr`` for Muon-family arms, ``adamw_lr`` for AdamW)
+#: the arms: DiTModule options beside the lr (``lr`` for Muon-family arms, ``adamw_lr`` for AdamW), written flat as
+#: before the optimizer's options moved under ``muon`` (the CSV's columns); DiTModule.upgrade_hparams nests them
 ARMS: dict[str, dict[str, Any]] = {
     "adamw": {"optimizer": "adamw"},
     "muon": {"optimizer": "muon"},
@@ -157,7 +158,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
 
     def module(schedule: str) -> DiTModule:
         lr = {"lr": unit.lr} if is_muon(unit.arm) else {"adamw_lr": unit.lr}
-        return DiTModule(
+        options = dict(
             model_config=spec["model_config"],
             schedule=schedule,
             warmup_steps=args.warmup,
@@ -167,6 +168,7 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
             **ARMS[unit.arm],
             **lr,
         )
+        return DiTModule(**DiTModule.upgrade_hparams(options))
 
     class Clock(Callback):
         """Optimizer seconds and training wall seconds so far at every step; in the stable run, a checkpoint at each

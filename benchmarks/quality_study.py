@@ -207,7 +207,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     spec = CONFIGS[run.config]
     steps, eval_every = budget(run.config, args)
     arm = run.arm
-    module = DiTModule(
+    options = dict(  # written flat, as RUN_OPTIONS and the CSV's columns: upgrade_hparams puts them under ``muon``
         model_config=spec["model_config"],
         optimizer=arm.optimizer,
         period=arm.period,
@@ -217,6 +217,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
         **RUN_OPTIONS,
         **({"lr": run.lr} if arm.is_muon else {"adamw_lr": run.lr}),
     )
+    module = DiTModule(**DiTModule.upgrade_hparams(options))
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
 
     class Clock(Callback):

@@ -9,16 +9,65 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
-from lightning_muon.recipes.module import DiTModule
+from lightning_muon.recipes.module import LEGACY_MUON_KEYS, DiTModule
 from lightning_muon.recipes.shipped import DEFAULT_CONFIG, shipped_config_paths
 from lightning_muon.storage import exit_on_storage_error
+
+
+def upgraded_options(argv: list[str]) -> list[str]:
+    """DiTModule's flat optimizer options (before they moved under ``muon``) in today's form, with a warning each:
+    ``--model.period 3`` is ``--model.muon.period 3`` (:data:`~lightning_muon.recipes.module.LEGACY_MUON_KEYS`;
+    ``--model.weight_decay`` sets both branches'), and a ``--config`` file with such keys under ``model`` is read
+    through a converted copy (:meth:`DiTModule.upgrade_hparams`)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        flag, eq, value = arg.partition("=")
+        key = flag.removeprefix("--model.").removeprefix("init_args.") if flag.startswith("--model.") else None
+        if key in LEGACY_MUON_KEYS or key == "weight_decay":
+            value = value if eq else argv[i] if i < len(argv) else ""
+            i += 0 if eq else 1
+            new = [f"--model.muon.{LEGACY_MUON_KEYS.get(key, key)}", value]
+            new += ["--model.adamw_weight_decay", value] if key == "weight_decay" else []
+            warnings.warn(f"{flag} is now {' and '.join(new[::2])}.", FutureWarning, stacklevel=2)
+            out += new
+        elif arg in ("-c", "--config") and i < len(argv) and Path(argv[i]).is_file():
+            out += [arg, upgraded_config(argv[i])]
+            i += 1
+        else:
+            out.append(arg)
+    return out
+
+
+def upgraded_config(path: str) -> str:
+    """``path``, or a converted copy of it when its ``model`` section has the flat optimizer keys of before."""
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    model = config.get("model") if isinstance(config, dict) else None
+    section = model.get("init_args", model) if isinstance(model, dict) else None
+    upgraded = DiTModule.upgrade_hparams(section) if isinstance(section, dict) else section
+    if upgraded == section:
+        return path
+    section.clear()
+    section.update(upgraded)
+    copy = Path(tempfile.mkdtemp(prefix="lightning_muon_config_")) / Path(path).name
+    copy.write_text(yaml.safe_dump(config, sort_keys=False))
+    warnings.warn(
+        f"{path}: DiTModule's optimizer options now sit under model.muon; read through a "
+        f"converted copy ({copy}). `lightning-muon fit --config {path} --print_config` prints today's form.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return str(copy)
 
 
 class ShortUsageParser(LightningArgumentParser):
@@ -146,10 +195,12 @@ def _not_litlogger_tip(record: logging.LogRecord) -> bool:
 
 
 def quiet_lightning_notices() -> None:
-    """Drop two Lightning 2.6 notices that say nothing about the run: the ``LeafSpec`` deprecation its own pytree code
-    triggers in torch ≥ 2.10, and the advertisement for ``litlogger`` printed by every ``Trainer``."""
+    """Drop three Lightning 2.6 notices that say nothing about the run: the ``LeafSpec`` deprecation its own pytree
+    code triggers in torch ≥ 2.10, the advertisement for ``litlogger`` printed by every ``Trainer``, and the note that
+    ``args`` differ from ``sys.argv`` (they do on purpose: configs by name, upgraded options)."""
     leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within Python")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_not_litlogger_tip)  # added once, however often main() runs
 
@@ -173,7 +224,7 @@ def main(args: list[str] | None = None) -> None:
         from lightning_muon.recipes.doctor import main as doctor
 
         sys.exit(doctor(argv[1:]))
-    argv = shipped_config_paths(argv)
+    argv = upgraded_options(shipped_config_paths(argv))
     with exit_on_storage_error():  # a full disk, a read-only directory: the place and what to do, not a traceback
         MuonCLI(
             DiTModule,

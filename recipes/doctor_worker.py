@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_muon.device as device
+from lightning_muon.optim import MuonConfig
 from lightning_muon.optim.shards import local
 from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.networks import build_transformer
@@ -51,7 +52,7 @@ class SameOnAnyWorld(DiTModule):
     fail_at: int | None = None  # a step at which the last rank raises
 
     def __init__(self) -> None:
-        super().__init__(cfg_dropout=0.0, ema_decay=0.0, ns_dtype="float32", schedule="constant")
+        super().__init__(cfg_dropout=0.0, ema_decay=0.0, muon=MuonConfig(ns_dtype="float32"), schedule="constant")
 
     def configure_model(self) -> None:
         """The full network from a fixed seed on every rank, sharded by the strategy afterwards: the same initial

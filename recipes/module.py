@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import lightning as L
@@ -18,8 +19,7 @@ import lightning_muon.device as device
 from lightning_muon.callbacks.ema import EMA
 from lightning_muon.callbacks.publish import log_on_logging_steps
 from lightning_muon.optim import PeriodicRowwiseMuon
-from lightning_muon.optim.config import MuonConfig, NonFinite, NSDtype, RefreshSchedule, keys
-from lightning_muon.optim.kernels import AdjustLR, AutoScale, NSMethod, NSNormalize, NSPreset
+from lightning_muon.optim.config import MuonConfig, NonFinite
 from lightning_muon.recipes.networks import (
     TINY_DIT,
     Architecture,
@@ -42,6 +42,13 @@ TimestepSampling = Literal["logit_normal", "uniform"]
 FrozenDtype = Literal["auto", "bfloat16", "float32"]
 OBJECTIVES = get_args(Objective)
 FROZEN_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: DiTModule's flat optimizer options before they moved under ``muon``, and the MuonConfig field each became
+LEGACY_MUON_KEYS = {
+    **{k: k for k in ("lr", "momentum", "period", "rownorm_scale", "auto_scale_multiplier", "adjust_lr", "ns_dtype",
+                      "ns_steps", "ns_coefficients", "ns_normalize", "ns_method", "drift_threshold", "min_period",
+                      "max_period", "refresh_warmup")},
+    "refresh_schedule": "schedule",
+}  # fmt: skip
 
 
 class DiTModule(L.LightningModule):
@@ -59,27 +66,12 @@ class DiTModule(L.LightningModule):
         objective: ``"flow"`` or ``"ddpm"``.
         timestep_sampling: ``"logit_normal"`` or ``"uniform"`` (flow only).
         optimizer: ``"adamw"``, ``"muon"`` (K=1) or ``"periodic_muon"``.
-        lr: learning rate of the Muon parameters (scaled by ``adjust_lr``).
+        muon: the options of the Muon parameters, whole (:class:`~lightning_muon.optim.MuonConfig`: ``lr``, ``period``,
+            ``rownorm_scale``, ``momentum``, the NS5 and refresh-schedule options; CLI ``--model.muon.period 3``); a
+            dict of its fields works too. ``optimizer="muon"`` uses ``period=1``.
         adamw_lr: learning rate of the AdamW parameters (all of them for ``"adamw"``).
-        weight_decay: decoupled weight decay of both branches.
+        adamw_weight_decay: decoupled weight decay of the AdamW parameters (Muon's is ``muon.weight_decay``).
         betas: AdamW's :math:`(\\beta_1, \\beta_2)`.
-        momentum: Muon's momentum :math:`\\beta`.
-        period: :math:`K`, steps between NS5 refreshes (``"muon"`` uses 1).
-        rownorm_scale: :math:`\\gamma`, or ``"auto"`` / ``"auto_rms"``: a γ each matrix calibrates at its refreshes.
-        auto_scale_multiplier: the tunable factor on a calibrated γ.
-        adjust_lr: the shape factor :math:`s(m, n)` (:class:`~lightning_muon.optim.MuonConfig`).
-        ns_dtype: NS5 compute dtype (``None``: bf16 where it is native, else fp32).
-        ns_steps: Newton–Schulz iterations.
-        ns_coefficients: the NS coefficient schedule by name: the default is torch.optim.Muon's NS5 (``"jordan"``);
-            Turbo-Muon is ``ns_coefficients="turbo_muon"``, ``ns_normalize="aol"``, ``ns_steps=4``.
-        ns_normalize: ``"frobenius"`` or ``"aol"``.
-        ns_method: ``"standard"`` or ``"gram"`` (cuts FLOPs on rectangular matrices).
-        refresh_schedule: the optimizer's ``schedule``: ``"fixed"`` (every ``period`` steps) or ``"adaptive"`` (per
-            matrix on momentum drift; see :class:`~lightning_muon.PeriodicRowwiseMuon`).
-        drift_threshold: the adaptive schedule's drift that triggers a refresh.
-        min_period: the adaptive schedule's fewest steps between refreshes.
-        max_period: the adaptive schedule's most steps between refreshes (``None``: ``period``).
-        refresh_warmup: how many first optimizer steps all refresh (K = 1) before the refresh schedule takes over.
         param_overrides: layer-wise options of Muon groups, ``{pattern or layer type: options}`` for
             :func:`~lightning_muon.muon_param_groups` (e.g. ``{"attention": {"period": 2}, "feed_forward":
             {"period": 4}}``).
@@ -120,25 +112,10 @@ class DiTModule(L.LightningModule):
         objective: Objective = "flow",
         timestep_sampling: TimestepSampling = "logit_normal",
         optimizer: Optimizer = "periodic_muon",
-        lr: float = 0.02,
+        muon: MuonConfig = MuonConfig(),
         adamw_lr: float = 1e-3,
-        weight_decay: float = 0.0,
+        adamw_weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
-        momentum: float = 0.95,
-        period: int = 3,
-        rownorm_scale: float | AutoScale = 0.15,
-        auto_scale_multiplier: float = 1.0,
-        adjust_lr: AdjustLR = "original",
-        ns_dtype: NSDtype | None = None,
-        ns_steps: int = 5,
-        ns_coefficients: NSPreset = "jordan",
-        ns_normalize: NSNormalize = "frobenius",
-        ns_method: NSMethod = "standard",
-        refresh_schedule: RefreshSchedule = "fixed",
-        drift_threshold: float = 0.05,
-        min_period: int = 1,
-        max_period: int | None = None,
-        refresh_warmup: int = 0,
         param_overrides: dict[str, dict[str, PlainValue]] | None = None,
         warmup_steps: int = 0,
         schedule: LRSchedule = "cosine",
@@ -176,7 +153,9 @@ class DiTModule(L.LightningModule):
             raise ValueError(f"cfg_dropout and ema_decay must be in [0, 1), got {cfg_dropout} and {ema_decay}.")
         if frozen_dtype not in FROZEN_DTYPES:
             raise ValueError(f"frozen_dtype must be one of {sorted(FROZEN_DTYPES)}, got {frozen_dtype!r}.")
-        self.save_hyperparameters()
+        muon = MuonConfig(**muon) if isinstance(muon, Mapping) else muon  # a checkpoint's hparams hold the dict
+        self.save_hyperparameters(ignore=["muon"])
+        self.hparams["muon"] = dataclasses.asdict(muon)  # plain data in checkpoints (weights_only loads it)
         # Every optimizer option is checked now, by the optimizer on stand-in parameters: a wrong value fails before
         # a Trainer or a model is built, with the optimizer's message naming it.
         options, adamw = self.optimizer_options()
@@ -192,8 +171,8 @@ class DiTModule(L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> DiTModule:
         """Lightning's ``load_from_checkpoint``, after :func:`~lightning_muon.recipes.trust.checked_checkpoint` of a
         file given by path: nothing sized by the file is allocated before its sizes are those of its weights."""
-        if isinstance(checkpoint_path, (str, os.PathLike)):
-            checked_checkpoint(checkpoint_path, cls)
+        if isinstance(checkpoint_path, (str, os.PathLike)):  # checked, and in today's form (upgrade_hparams)
+            kwargs = {**checked_checkpoint(checkpoint_path, cls), **kwargs}
         return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------------- model
@@ -408,12 +387,27 @@ class DiTModule(L.LightningModule):
     def optimizer_options(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(PeriodicRowwiseMuon options, AdamW group options)`` from the hyperparameters."""
         h = self.hparams
-        adamw = {"lr": h.adamw_lr, "betas": tuple(h.betas), "weight_decay": h.weight_decay}
-        # every MuonConfig option the module exposes, under its own name (the lr schedule took ``schedule``)
-        names = {key: "refresh_schedule" if key == "schedule" else key for key in keys(MuonConfig)}
-        muon = {key: h[name] for key, name in names.items() if name in h}
-        muon.update(period=1 if h.optimizer == "muon" else h.period, nonfinite=h.nonfinite)
+        adamw = {"lr": h.adamw_lr, "betas": tuple(h.betas), "weight_decay": h.adamw_weight_decay}
+        muon = {**h.muon, "nonfinite": h.nonfinite}
+        muon["period"] = 1 if h.optimizer == "muon" else muon["period"]
         return muon, adamw
+
+    @classmethod
+    def upgrade_hparams(cls, hparams: Mapping[str, Any]) -> dict[str, Any]:
+        """Hyper-parameters (of a checkpoint or a config) written before the optimizer's options moved under
+        ``muon``, in today's form: each flat key under ``muon`` (``refresh_schedule`` as ``schedule``), ``weight_decay``
+        to both branches. Today's hyper-parameters pass unchanged."""
+        out = {k: v for k, v in hparams.items() if k not in LEGACY_MUON_KEYS and k != "weight_decay"}
+        old = {k: v for k, v in hparams.items() if k not in out}
+        if not old:
+            return out
+        muon = dict(out.get("muon") or {})
+        for key, value in old.items():
+            if key == "weight_decay":
+                out.setdefault("adamw_weight_decay", value)
+            muon.setdefault(LEGACY_MUON_KEYS.get(key, key), value)
+        out["muon"] = muon
+        return out
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW, Muon (K=1) or Periodic Row-wise Muon on ``muon_param_groups``, warm-up + cosine/constant/WSD lr

@@ -170,7 +170,8 @@ def checked_hparams(hparams: object, module_class: type) -> dict[str, Any]:
     before anything is built from them. Every value is parsed as its annotation, which is plain data
     (:data:`~lightning_muon.recipes.networks.PlainValue`): nothing named in the file is imported or instantiated.
     Lightning's own keys are dropped (``_class_path`` must name ``module_class``) and keys it does not take are
-    dropped with a warning; missing ones stay missing.
+    dropped with a warning; missing ones stay missing. An older version's keys are upgraded first
+    (``module_class.upgrade_hparams``, e.g. :meth:`~lightning_muon.recipes.DiTModule.upgrade_hparams`).
 
     Raises:
         ValueError: the hyper-parameters are not a mapping, name another class, or hold a value of the wrong type.
@@ -178,6 +179,7 @@ def checked_hparams(hparams: object, module_class: type) -> dict[str, Any]:
     name = module_class.__name__
     if not isinstance(hparams, Mapping) or not all(isinstance(k, str) for k in hparams):
         raise ValueError(f"Checkpoint hyper-parameters must be a mapping of names, got {type(hparams).__name__}.")
+    hparams = getattr(module_class, "upgrade_hparams", dict)(hparams)  # written by an older version: today's form
     own = (f"{module_class.__module__}.{name}", f"lightning_muon.recipes.{name}")
     class_path = hparams.get("_class_path", own[0])
     if class_path not in own:

@@ -1,6 +1,9 @@
 """Test helpers: tiny random-init diffusers models built from configs (nothing is downloaded)."""
 
+from pathlib import Path
+
 import torch
+import torch.distributed.checkpoint as dcp
 
 from lightning_muon.parallelize import free_port
 
@@ -489,3 +492,10 @@ def fork_ranks(fn, world_size: int, timeout: float, *args) -> list[dict]:
     for rank in out:
         out[rank]["log"] = open(f"{logs}/rank{rank}.log").read()
     return [out[r] for r in range(world_size)]
+
+
+def distributed_checkpoint(path: Path, extra: dict | None = None, meta: dict | None = None) -> Path:
+    """A single-process torch.distributed.checkpoint directory with Lightning's ``meta.pt``."""
+    dcp.save({"state_dict": {"w": torch.arange(6.0).view(2, 3)}, **(extra or {})}, checkpoint_id=path)
+    torch.save(meta if meta is not None else {"global_step": 3}, path / "meta.pt")
+    return path

@@ -18,7 +18,11 @@ from lightning_muon.optim.kernels import (
     ADJUST_LR_CHOICES,
     AUTO_SCALES,
     DEFAULT_NS_COEFFICIENTS,
-    Coefficients,
+    AdjustLR,
+    AutoScale,
+    NSMethod,
+    NSNormalize,
+    NSPreset,
     Orthogonalizer,
     default_ns_dtype,
     make_orthogonalizer,
@@ -51,10 +55,12 @@ NS_DTYPES = dict(zip(get_args(NSDtype), (torch.bfloat16, torch.float32, torch.fl
 
 @dataclass(frozen=True)
 class MuonConfig:
-    r"""Options of a Muon group (2-D hidden weights).
+    r"""Options of a Muon group (2-D hidden weights): what ``PeriodicRowwiseMuon``'s keyword arguments default to,
+    and what ``DiTModule(muon=...)`` / ``--model.muon.<option>`` take whole. The annotations are plain data (the
+    CLI and checkpoints carry them); the optimizer's groups also accept a 0-d tensor ``lr`` and a ``torch.dtype``.
 
     Attributes:
-        lr: learning rate :math:`\eta` (a float or a 0-d tensor).
+        lr: learning rate :math:`\eta`.
         momentum: :math:`\beta` in [0, 1).
         nesterov: use the Nesterov look-ahead :math:`N_t = \beta M_t + (1-\beta) G_t`.
         weight_decay: decoupled weight decay :math:`\lambda`.
@@ -68,7 +74,7 @@ class MuonConfig:
         ns_coefficients: one (a, b, c), a sequence of ``ns_steps`` triples, or a schedule name: ``"jordan"`` (the
             default triple), ``"polar_express"`` or ``"turbo_muon"`` (Polar Express without its first triple, for
             ``ns_normalize="aol"`` with ``ns_steps=4``); see :class:`~lightning_muon.optim.kernels.Orthogonalizer`.
-        ns_dtype: NS5 compute dtype (``torch.bfloat16``, ``torch.float32`` or their names; stored by name);
+        ns_dtype: NS5 compute dtype by name (``"bfloat16"``, ``"float32"``, ``"float64"``; a group stores it so);
             ``None`` picks per device with :func:`~lightning_muon.optim.kernels.default_ns_dtype`.
         ns_eps: stabilizer of the NS5 normalization and of RowNorm (> 0).
         ns_normalize: ``"frobenius"`` (as torch.optim.Muon) or ``"aol"`` (Turbo-Muon's AOL rescaling).
@@ -82,20 +88,22 @@ class MuonConfig:
         refresh_warmup: :math:`t_w`, the first steps that all refresh (K = 1) before either schedule takes over.
     """
 
-    lr: float | Tensor = 0.02
+    lr: float = 0.02
     momentum: float = 0.95
     nesterov: bool = True
     weight_decay: float = 0.0
     period: int = 3
-    rownorm_scale: float | str = 0.15
+    rownorm_scale: float | AutoScale = 0.15
     ns_steps: int = 5
-    ns_coefficients: Coefficients = DEFAULT_NS_COEFFICIENTS
-    ns_dtype: str | torch.dtype | None = None
+    ns_coefficients: NSPreset | tuple[float, float, float] | tuple[tuple[float, float, float], ...] = (
+        DEFAULT_NS_COEFFICIENTS
+    )
+    ns_dtype: NSDtype | None = None
     ns_eps: float = 1e-7
-    ns_normalize: str = "frobenius"
-    ns_method: str = "standard"
-    adjust_lr: str = "original"
-    schedule: str = "fixed"
+    ns_normalize: NSNormalize = "frobenius"
+    ns_method: NSMethod = "standard"
+    adjust_lr: AdjustLR = "original"
+    schedule: RefreshSchedule = "fixed"
     drift_threshold: float = 0.05
     min_period: int = 1
     max_period: int | None = None

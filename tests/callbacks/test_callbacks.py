@@ -174,7 +174,7 @@ def test_telemetry_reports_the_calibrated_gamma_and_the_ratios_it_inverts(cache,
         limit_val_batches=0,
         callbacks=[OptimizerTelemetry()],
     )
-    module = DiTModule(model_config=SMALL_DIT, rownorm_scale="auto")
+    module = DiTModule(model_config=SMALL_DIT, muon={"rownorm_scale": "auto"})
     trainer.fit(module, DigitsDataModule(batch_size=32))
     acc = event_scalars(trainer.logger.log_dir)
     gamma = {k: acc.Scalars(f"optim/gamma/group0/{k}")[-1].value for k in ("mean", "min", "max")}

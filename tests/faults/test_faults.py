@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import (
     TINY_DIT,
+    distributed_checkpoint,
     fork_ranks,
     random_inception_state_dict,
     tiny_dinov2,
@@ -27,12 +28,10 @@ from helpers import (
 )
 
 from lightning_muon.checkpoint import (
-    atomic_write,
     check_weights_file,
     checkpoint_problem,
     load_distributed,
     newest_checkpoint,
-    remove_checkpoint,
 )
 from lightning_muon.parallelize import free_port
 
@@ -47,13 +46,6 @@ class Payload:
 
     def __reduce__(self):
         return Path.touch, (Path(self.marker),)
-
-
-def distributed_checkpoint(path: Path, extra: dict | None = None, meta: dict | None = None) -> Path:
-    """A single-process torch.distributed.checkpoint directory with Lightning's ``meta.pt``."""
-    dcp.save({"state_dict": {"w": torch.arange(6.0).view(2, 3)}, **(extra or {})}, checkpoint_id=path)
-    torch.save(meta if meta is not None else {"global_step": 3}, path / "meta.pt")
-    return path
 
 
 # ----------------------------------------------------------------------------------------------- hostile files
@@ -210,46 +202,6 @@ def test_controls_torchs_and_torch_fidelitys_own_loaders_run_the_payloads(tmp_pa
 def test_real_inception_weights_pass_the_check(tmp_path):
     torch.save(random_inception_state_dict(), tmp_path / "pt_inception.pth")
     check_weights_file(tmp_path / "pt_inception.pth", "InceptionV3 weights")
-
-
-# ------------------------------------------------------------------------------------ partial state is refused
-def test_checkpoint_problem_finds_every_kind_of_partial_checkpoint(tmp_path):
-    good = distributed_checkpoint(tmp_path / "good.ckpt")
-    assert checkpoint_problem(good) is None
-    shard = next(good.glob("*.distcp"))
-    for name, damage in {
-        "truncated-shard": lambda p: (p / shard.name).write_bytes((p / shard.name).read_bytes()[:10]),
-        "missing-shard": lambda p: (p / shard.name).unlink(),
-        "missing-meta": lambda p: (p / "meta.pt").unlink(),
-        "garbage-metadata": lambda p: (p / ".metadata").write_bytes(b"\x80\x04garbage"),
-    }.items():
-        bad = distributed_checkpoint(tmp_path / f"{name}.ckpt")
-        damage(bad)
-        assert checkpoint_problem(bad) is not None, name
-    (tmp_path / "empty.ckpt").write_bytes(b"")
-    assert checkpoint_problem(tmp_path / "empty.ckpt") is not None
-    assert newest_checkpoint(tmp_path) == (good, 3)
-
-
-def test_newest_checkpoint_takes_the_highest_step_and_restores_an_interrupted_replacement(tmp_path):
-    distributed_checkpoint(tmp_path / "step=2.ckpt", meta={"global_step": 2})
-    distributed_checkpoint(tmp_path / ".last.ckpt.old", meta={"global_step": 5})  # killed between the renames
-    distributed_checkpoint(tmp_path / ".last.ckpt.partial", meta={"global_step": 6})  # never trusted
-    assert newest_checkpoint(tmp_path) == (tmp_path / "last.ckpt", 5)
-    remove_checkpoint(tmp_path / "last.ckpt")
-    assert newest_checkpoint(tmp_path) == (tmp_path / "step=2.ckpt", 2)
-
-
-def test_atomic_write_leaves_no_temporaries_and_clears_those_of_dead_writers(tmp_path):
-    import socket
-
-    stale = tmp_path / f".f.txt.{socket.gethostname()}-999999999.tmp"  # no such pid
-    stale.write_text("half")
-    atomic_write(tmp_path / "f.txt", lambda tmp: tmp.write_text("whole"))
-    with pytest.raises(ZeroDivisionError):
-        atomic_write(tmp_path / "f.txt", lambda tmp: (tmp.write_text("partial"), 1 / 0))
-    assert (tmp_path / "f.txt").read_text() == "whole"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
 
 
 # ------------------------------------------------------------------------------------------ failing ranks

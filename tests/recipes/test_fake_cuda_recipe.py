@@ -20,7 +20,7 @@ from lightning_muon.recipes.module import DiTModule
 def module_on_cuda():
     """A tiny DiTModule whose network is built on ``cuda:0`` (no EMA copy: deep-copying fake tensors makes a second
     fake mode). ``_device`` is what Lightning's ``.to()`` records (fake parameters cannot be swapped by ``_apply``)."""
-    module = DiTModule(ns_dtype="bfloat16", ema_decay=0.0)
+    module = DiTModule(muon={"ns_dtype": "bfloat16"}, ema_decay=0.0)
     with CUDA:
         module.configure_model()
     module._device = CUDA

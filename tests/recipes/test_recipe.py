@@ -115,7 +115,7 @@ def test_cli_help_lists_options(capsys):
         return exit_info.value.code, capsys.readouterr().out
 
     code, out = help_of("fit", "--help")
-    assert code == 0 and "--model.optimizer" in out and "--model.period" in out
+    assert code == 0 and "--model.optimizer" in out and "--model.muon.period" in out
     _, listed = help_of("--help")
     assert all(sub in listed for sub in ("fit", "validate", "test", "predict", "evaluate", "doctor"))
     code, out = help_of("evaluate", "--help")
@@ -153,7 +153,7 @@ def test_bad_names_and_hyperparameters_are_clear_errors():
     with pytest.raises(ValueError, match="objective must be one of"):
         DiTModule(objective="edm")
     with pytest.raises(ValueError, match="period"):  # optimizer options are checked at construction, not later
-        DiTModule(model_config=SMALL_DIT, period=0)
+        DiTModule(model_config=SMALL_DIT, muon={"period": 0})
 
 
 @pytest.mark.parametrize("objective", ["flow", "ddpm"])
@@ -534,20 +534,20 @@ def test_schedule_and_orthogonalizer_options_reach_the_optimizer(capsys):
     from lightning_muon.recipes.cli import main
 
     flags = {
-        "refresh_schedule": "adaptive",
-        "drift_threshold": "0.3",
-        "max_period": "6",
+        "muon.schedule": "adaptive",
+        "muon.drift_threshold": "0.3",
+        "muon.max_period": "6",
         "param_overrides": '{"attention": {"period": 2}}',
-        "ns_method": "gram",
-        "ns_coefficients": "polar_express",
-        "refresh_warmup": "5",
+        "muon.ns_method": "gram",
+        "muon.ns_coefficients": "polar_express",
+        "muon.refresh_warmup": "5",
     }
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *[arg for k, v in flags.items() for arg in (f"--model.{k}", v)], "--print_config"])
     assert exit_info.value.code == 0
     cfg = yaml.safe_load(capsys.readouterr().out)["model"]
-    assert cfg["param_overrides"] == {"attention": {"period": 2}} and cfg["drift_threshold"] == 0.3
-    module = DiTModule(model_config=SMALL_DIT, **{k: cfg[k] for k in flags})
+    assert cfg["param_overrides"] == {"attention": {"period": 2}} and cfg["muon"]["drift_threshold"] == 0.3
+    module = DiTModule(model_config=SMALL_DIT, muon=cfg["muon"], param_overrides=cfg["param_overrides"])
     module.configure_model()
     groups = [g for g in module.configure_optimizers()["optimizer"].param_groups if g["use_muon"]]
     attention = next(g for g in groups if "transformer_blocks.0.attn1.to_q.weight" in g["param_names"])
@@ -582,8 +582,8 @@ _pytree._tree_flatten(torch.zeros(1))
 @pytest.mark.parametrize(
     ("mistake", "named"),
     [
-        (["--model.period", "0"], "period"),
-        (["--model.lr", "-1"], "lr"),
+        (["--model.muon.period", "0"], "period"),
+        (["--model.muon.lr", "-1"], "lr"),
         (["--data.batch_size", "0"], "batch_size"),
         (["--model.optimizer", "sgd"], "model.optimizer"),
         (["--trainer.max_step", "20"], "--trainer.max_step"),  # no abbreviation of max_steps
@@ -597,7 +597,7 @@ def test_a_command_line_mistake_is_a_short_error_naming_the_option(mistake, name
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as control:  # a valid value parses (--print_config exits 0)
-        main(["fit", "--model.period", "2", "--print_config"])
+        main(["fit", "--model.muon.period", "2", "--print_config"])
     assert control.value.code in (0, None) and "period: 2" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", *mistake])

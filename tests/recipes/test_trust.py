@@ -8,6 +8,7 @@ held, not that the payload was inert."""
 import collections.abc
 import contextlib
 import csv
+import dataclasses
 import inspect
 import os
 import signal
@@ -176,9 +177,13 @@ def test_no_parameter_reachable_from_the_cli_is_untyped():
 
 
 def plain(annotation) -> bool:
-    """Plain data: scalars, literals, and lists / tuples / dicts / unions of plain data (no class is named)."""
+    """Plain data: scalars, literals, and lists / tuples / dicts / unions / dataclasses of plain data (no class is
+    named; a dataclass of options is saved as the dict of its fields)."""
     if annotation in (int, float, str, bool, type(None)):
         return True
+    if dataclasses.is_dataclass(annotation):
+        hints = typing.get_type_hints(annotation)
+        return all(plain(hints[f.name]) for f in dataclasses.fields(annotation))
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return True
@@ -191,6 +196,12 @@ def test_every_hyperparameter_a_checkpoint_can_carry_is_plain_data():
     hints = typing.get_type_hints(DiTModule.__init__)
     assert {k: v for k, v in hints.items() if k != "return" and not plain(v)} == {}
     assert not plain(dict[str, Any]) and not plain(int | torch.dtype)  # control
+
+    @dataclasses.dataclass
+    class Options:
+        lr: float | torch.Tensor = 0.1
+
+    assert not plain(Options)  # control: a dataclass with a tensor field (MuonConfig's lr was typed so)
 
 
 # ------------------------------------------------------------------------------------------- evaluate's sweep
