@@ -119,13 +119,15 @@ def digits_evaluation(every_n_steps: int, args: argparse.Namespace, cls: type | 
     from lightning_muon.callbacks import GenerationEvaluation
 
     return (cls or GenerationEvaluation)(
-        metrics=["fd_digits", "prdc_digits"],
+        suite={"metrics": ["fd_digits", "prdc_digits"]},
+        sampling={
+            "num_samples": args.samples,
+            "num_inference_steps": args.inference_steps,
+            "batch_size": 250,
+            "seed": seed,
+        },
         every_n_steps=every_n_steps,
-        num_samples=args.samples,
-        num_inference_steps=args.inference_steps,
-        batch_size=250,
         grid_size=0,
-        seed=seed,
         progress=False,
         reference_dir=str(Path(args.work) / "eval_reference"),
     )

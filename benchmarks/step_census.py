@@ -210,7 +210,7 @@ trainer:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {monitor: eval/fd_digits, mode: min, every_n_train_steps: 10, save_top_k: 1}
     - class_path: lightning_muon.callbacks.GenerationEvaluation
-      init_args: {every_n_steps: 8, num_samples: 101, num_inference_steps: 3, batch_size: 32}
+      init_args: {every_n_steps: 8, sampling: {num_samples: 101, num_inference_steps: 3, batch_size: 32}}
     - class_path: lightning_muon.callbacks.OptimizerTelemetry
     - class_path: lightning.pytorch.callbacks.LearningRateMonitor
       init_args: {logging_interval: step}

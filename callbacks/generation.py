@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,13 @@ from lightning_muon.callbacks.publish import logger_step, publish_scalars
 from lightning_muon.checkpoint import atomic_write
 from lightning_muon.metrics.evaluation import (
     MetricSuite,
+    Sampling,
     check_generated_images,
     metrics_on,
     prepare_references,
     read_prompts,
     real_images_of,
     score_generation,
-    suite_fields,
 )
 from lightning_muon.metrics.features import cache_dir
 from lightning_muon.metrics.geneval2 import GenEval2
@@ -66,7 +68,7 @@ def _step(line: str) -> object:
 
 class GenerationEvaluation(Callback):
     """Every ``every_n_steps`` training steps, whenever a checkpoint is saved (``on_checkpoint``) and at the end of
-    training, generate ``num_samples`` images with
+    training, generate ``sampling.num_samples`` images with
     the module's EMA weights, update the metrics and log ``eval/<metric>`` to every logger (at the step of that batch's
     ``train/loss``, :func:`~lightning_muon.callbacks.publish.logger_step`), an
     image grid to TensorBoard, ``eval/seconds``, and a line in ``metrics.jsonl`` beside the checkpoints.
@@ -84,32 +86,18 @@ class GenerationEvaluation(Callback):
     Both are checked in ``setup``, naming what is missing. ``examples/custom_module.py`` is a module of one's own.
 
     Args:
-        metrics: metric names from :data:`~lightning_muon.metrics.METRIC_NAMES`; with the weights below they make
-            the :class:`~lightning_muon.metrics.MetricSuite`.
+        suite: which metrics, and the local weights they are built from
+            (:class:`~lightning_muon.metrics.MetricSuite`: ``metrics`` names from
+            :data:`~lightning_muon.metrics.METRIC_NAMES`, ``dinov2_weights``, ``inception_weights``, ...); a dict of its
+            fields works too (``--trainer.callbacks.init_args.suite.metrics``).
+        sampling: how the evaluated set is generated (:class:`~lightning_muon.metrics.Sampling`: ``num_samples``,
+            ``num_classes``, ``num_inference_steps``, ``guidance_scale``, ``batch_size``, ``seed``, ``prompts_file``
+            — text-to-image: sample i gets prompt ``i mod lines``, needed by ``hpsv2``); or a dict of its fields.
         every_n_steps: evaluation period in optimizer steps (0: only at the end of training).
         on_checkpoint: also evaluate whenever a checkpoint is saved (once per global step).
-        num_samples: generated images per evaluation.
-        num_classes: classes of the conditions.
-        num_inference_steps: sampler steps (Euler for flow, DDIM for DDPM).
-        guidance_scale: classifier-free guidance (1 disables the unconditional pass).
-        batch_size: images generated per forward pass on each rank.
         reference_dir: cache of reference statistics (default: ``eval_reference`` in the library's cache directory,
             ``$LIGHTNING_MUON_CACHE`` or ``~/.cache/lightning_muon``: shared by runs, keyed by the real images).
         grid_size: images in the logged grid.
-        seed: base noise seed.
-        dinov2_weights: local DINOv2 weights (``fd_dinov2``, ``prdc_dinov2``).
-        inception_weights: local torch-fidelity InceptionV3 weights (``fid``, ``kid``, ``is``, ``sfid``).
-        clip_weights: local CLIP weights (``cmmd``).
-        hps_weights: local HPSv2.1 weights (``hpsv2``).
-        clip_model: open_clip architecture of ``clip_weights`` (a name or a model-config JSON).
-        hps_model: open_clip architecture of ``hps_weights`` (a name or a model-config JSON).
-        clip_quick_gelu: build ``cmmd``'s CLIP with QuickGELU, as OpenAI's weights need.
-        fid_resize: ``"tf1"`` (torch-fidelity's resize) or ``"clean"`` (clean-fid's PIL bicubic) for InceptionV3.
-        prompts_file: text-to-image evaluation: one prompt per line, sample i gets prompt ``i mod lines``
-            (needed by ``hpsv2``; the module must encode prompts, e.g. ``DiTModule(text_encoder_path=...)``).
-        geneval2_prompts: GenEval 2's benchmark file (``geneval2_data.jsonl``).
-        geneval2_judge: the Soft-TIFA judge (a transformers VLM directory or cached hub id).
-        geneval2_images_per_prompt: images per GenEval 2 prompt (the reference scores one).
         real_images_dir: an image folder with the reference images, instead of the datamodule's ``real_images()``
             (latent-shard training has no images).
         real_image_size: the side ``real_images_dir``'s images are resized and center-cropped to.
@@ -118,44 +106,28 @@ class GenerationEvaluation(Callback):
 
     def __init__(
         self,
-        metrics: list[str] | tuple[str, ...] = ("fd_digits", "prdc_digits"),
+        suite: MetricSuite = MetricSuite(),
+        sampling: Sampling = Sampling(),
         every_n_steps: int = 500,
         on_checkpoint: bool = False,
-        num_samples: int = 1000,
-        num_classes: int = 10,
-        num_inference_steps: int = 25,
-        guidance_scale: float = 1.0,
-        batch_size: int = 250,
         reference_dir: str | None = None,
         grid_size: int = 64,
-        seed: int = 0,
-        dinov2_weights: str | None = None,
-        inception_weights: str | None = None,
-        clip_weights: str | None = None,
-        hps_weights: str | None = None,
-        clip_model: str = "ViT-L-14-336",
-        hps_model: str = "ViT-H-14",
-        clip_quick_gelu: bool = True,
-        fid_resize: str = "tf1",
-        prompts_file: str | None = None,
-        geneval2_prompts: str | None = None,
-        geneval2_judge: str | None = None,
-        geneval2_images_per_prompt: int = 1,
         real_images_dir: str | None = None,
         real_image_size: int = 512,
         progress: bool = True,
     ) -> None:
         super().__init__()
-        if every_n_steps < 0 or num_samples < 2:
-            raise ValueError(f"every_n_steps must be >= 0 and num_samples >= 2, got {every_n_steps}, {num_samples}.")
+        suite = MetricSuite(**suite) if isinstance(suite, Mapping) else suite
+        sampling = Sampling(**sampling) if isinstance(sampling, Mapping) else sampling
+        if every_n_steps < 0 or sampling.num_samples < 2:
+            raise ValueError(
+                f"every_n_steps must be >= 0 and num_samples >= 2, got {every_n_steps}, {sampling.num_samples}."
+            )
+        self.suite, self.sampling = suite, sampling
         self.every_n_steps, self.on_checkpoint = every_n_steps, on_checkpoint
-        self.num_samples, self.num_classes = num_samples, num_classes
-        self.num_inference_steps, self.guidance_scale, self.batch_size = num_inference_steps, guidance_scale, batch_size
-        self.reference_dir, self.grid_size, self.seed, self.progress = reference_dir, grid_size, seed, progress
-        given = locals()
-        self.suite = MetricSuite(**{name: given[name] for name in suite_fields()})
-        self.metric_names = list(metrics)
-        self.prompts_file, self.real_images_dir, self.real_image_size = prompts_file, real_images_dir, real_image_size
+        self.reference_dir, self.grid_size, self.progress = reference_dir, grid_size, progress
+        self.metric_names = list(suite.metrics)
+        self.real_images_dir, self.real_image_size = real_images_dir, real_image_size
         self.prompts: list[str] | None = None
         self.metrics: dict[str, Any] = {}
         self._last_step = -1
@@ -163,10 +135,22 @@ class GenerationEvaluation(Callback):
         #: whether a larger value of each logged key is better (its metric's ``higher_is_better``)
         self.higher_is_better: dict[str, bool] = {}
 
+    @classmethod
+    def upgrade_init_args(cls, init_args: Mapping[str, Any]) -> dict[str, Any]:
+        """A config's ``init_args`` written before the metric suite and the sampling options became objects, in
+        today's form: each flat field of :class:`~lightning_muon.metrics.MetricSuite` under ``suite``, of
+        :class:`~lightning_muon.metrics.Sampling` under ``sampling``. Today's arguments pass unchanged."""
+        out = dict(init_args)
+        for name, kind in (("suite", MetricSuite), ("sampling", Sampling)):
+            flat = {f.name: out.pop(f.name) for f in fields(kind) if f.name in out}
+            if flat:
+                out[name] = {**flat, **dict(out.get(name) or {})}
+        return out
+
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.prompts_file:
-            self.prompts = read_prompts(self.prompts_file)
+        if self.sampling.prompts_file:
+            self.prompts = read_prompts(self.sampling.prompts_file)
         if "hpsv2" in self.metric_names and not self.prompts:
             raise ValueError("hpsv2 scores image-prompt pairs: pass prompts_file= (one prompt per line).")
         check_protocol(pl_module, Generator, "LightningModule")
@@ -181,7 +165,7 @@ class GenerationEvaluation(Callback):
         (In ``setup`` the model does not exist yet: Lightning calls ``configure_model`` after the callbacks' setup.)"""
         prompts = self.prompts or [m.prompts[0].prompt for m in self.metrics.values() if isinstance(m, GenEval2)]
         condition = [prompts[0]] if prompts else torch.zeros(1, dtype=torch.long)
-        images = pl_module.generate(condition, [self.seed], 1, 1.0, batch_size=1)
+        images = pl_module.generate(condition, [self.sampling.seed], 1, 1.0, batch_size=1)
         check_generated_images(images)
 
     @property
@@ -236,7 +220,7 @@ class GenerationEvaluation(Callback):
             self.real_images_dir, self.real_image_size, default, type(trainer.datamodule).__name__
         )
         cache = Path(self.reference_dir or cache_dir() / "eval_reference")
-        prepare_references(self.metrics, real, cache, name, self.batch_size)
+        prepare_references(self.metrics, real, cache, name, self.sampling.batch_size)
 
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule, monitorable: bool = True) -> dict[str, float]:
         """Run one evaluation now (all ranks must call it); returns the logged values (also put in
@@ -249,12 +233,12 @@ class GenerationEvaluation(Callback):
             values, grid, higher_is_better = score_generation(
                 pl_module,
                 self.metrics,
-                self.num_samples,
-                self.num_classes,
-                self.seed,
-                self.num_inference_steps,
-                self.guidance_scale,
-                self.batch_size,
+                self.sampling.num_samples,
+                self.sampling.num_classes,
+                self.sampling.seed,
+                self.sampling.num_inference_steps,
+                self.sampling.guidance_scale,
+                self.sampling.batch_size,
                 self.grid_size,
                 self.progress,
                 desc,

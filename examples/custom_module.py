@@ -124,11 +124,9 @@ def main(argv: list[str] | None = None) -> None:
 
     L.seed_everything(0)
     evaluation = GenerationEvaluation(
-        metrics=["fd_digits", "prdc_digits"],
+        suite={"metrics": ["fd_digits", "prdc_digits"]},
+        sampling={"num_samples": args.num_samples, "num_inference_steps": 10, "batch_size": 250},
         every_n_steps=args.eval_every,
-        num_samples=args.num_samples,
-        num_inference_steps=10,
-        batch_size=250,
     )
     trainer = L.Trainer(
         accelerator="auto",

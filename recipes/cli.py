@@ -50,20 +50,35 @@ def upgraded_options(argv: list[str]) -> list[str]:
 
 
 def upgraded_config(path: str) -> str:
-    """``path``, or a converted copy of it when its ``model`` section has the flat optimizer keys of before."""
+    """``path``, or a converted copy of it when it was written before the options became objects (flat optimizer
+    keys under ``model``, flat metric and sampling arguments of a ``GenerationEvaluation``)."""
+    from lightning_muon.callbacks.generation import GenerationEvaluation
+
     config = yaml.safe_load(Path(path).read_text()) or {}
-    model = config.get("model") if isinstance(config, dict) else None
-    section = model.get("init_args", model) if isinstance(model, dict) else None
-    upgraded = DiTModule.upgrade_hparams(section) if isinstance(section, dict) else section
-    if upgraded == section:
+    if not isinstance(config, dict):
         return path
-    section.clear()
-    section.update(upgraded)
+    changed = False
+    model = config.get("model")
+    section = model.get("init_args", model) if isinstance(model, dict) else None
+    if isinstance(section, dict) and (upgraded := DiTModule.upgrade_hparams(section)) != section:
+        section.clear()
+        section.update(upgraded)
+        changed = True
+    trainer = config.get("trainer")
+    for callback in (trainer.get("callbacks") or []) if isinstance(trainer, dict) else []:
+        if isinstance(callback, dict) and str(callback.get("class_path", "")).endswith("GenerationEvaluation"):
+            init_args = callback.get("init_args") or {}
+            if (upgraded := GenerationEvaluation.upgrade_init_args(init_args)) != init_args:
+                callback["init_args"] = upgraded
+                changed = True
+    if not changed:
+        return path
     copy = Path(tempfile.mkdtemp(prefix="lightning_muon_config_")) / Path(path).name
     copy.write_text(yaml.safe_dump(config, sort_keys=False))
     warnings.warn(
-        f"{path}: DiTModule's optimizer options now sit under model.muon; read through a "
-        f"converted copy ({copy}). `lightning-muon fit --config {path} --print_config` prints today's form.",
+        f"{path} was written before the options became objects (model.muon; a GenerationEvaluation's suite and "
+        f"sampling); read through a converted copy ({copy}). `lightning-muon fit --config {path} --print_config` "
+        "prints today's form.",
         FutureWarning,
         stacklevel=2,
     )

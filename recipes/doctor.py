@@ -180,7 +180,9 @@ trainer:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {{every_n_train_steps: {BUSY_EVERY[2]}, save_last: true}}
     - class_path: lightning_muon.callbacks.GenerationEvaluation
-      init_args: {{every_n_steps: {BUSY_EVERY[1]}, num_samples: 101, num_inference_steps: 3, batch_size: 32}}
+      init_args:
+        every_n_steps: {BUSY_EVERY[1]}
+        sampling: {{num_samples: 101, num_inference_steps: 3, batch_size: 32}}
     - class_path: lightning_muon.callbacks.OptimizerTelemetry
     - class_path: lightning.pytorch.callbacks.LearningRateMonitor
       init_args: {{logging_interval: step}}

@@ -286,7 +286,10 @@ def memory(device: torch.device, config: str | None = None, guidance: float = 1.
     eval_peak = torch.cuda.max_memory_allocated(device) / GIB
     sampling = {
         "class_path": "GenerationEvaluation",
-        "init_args": {"batch_size": batch, "guidance_scale": guidance, "metrics": ["fd_dinov2", "fid"]},
+        "init_args": {
+            "sampling": {"batch_size": batch, "guidance_scale": guidance},
+            "suite": {"metrics": ["fd_dinov2", "fid"]},
+        },
     }
     shrunk = {
         "trainer": {"devices": 1, "callbacks": [sampling]},

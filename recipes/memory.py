@@ -40,6 +40,7 @@ import torch
 
 from lightning_muon.parallelize import block_modules
 from lightning_muon.param_groups import muon_param_groups
+from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.networks import build_transformer
 from lightning_muon.recipes.shipped import load_config
 
@@ -70,10 +71,12 @@ GIB = 2**30
 
 
 def _evaluation(config: dict) -> dict:
-    """The init args of the config's ``GenerationEvaluation`` ({} without one)."""
+    """The init args of the config's ``GenerationEvaluation``, its ``suite`` and ``sampling`` fields among them ({}
+    without one; flat, as configs of before wrote them, works too)."""
     for callback in config.get("trainer", {}).get("callbacks") or []:
         if str(callback.get("class_path", "")).endswith("GenerationEvaluation"):
-            return callback.get("init_args", {})
+            args = dict(callback.get("init_args") or {})
+            return {**args.pop("suite", {}), **args.pop("sampling", {}), **args}
     return {}
 
 
@@ -105,7 +108,8 @@ def memory_per_gpu(config: dict, bucket_mb: float = 64.0, refresh: str = "scatte
     largest = max(matrices, key=lambda p: p.numel())
     p_small = min(largest.shape)
     refresh = BUCKETS_IN_FLIGHT[refresh] * bucket_mb * 2**20 + 2 * (2 * largest.numel() + 2 * p_small * p_small)
-    adaptive = 4 * muon / gpus if model_cfg.get("refresh_schedule") == "adaptive" else 0
+    schedule = DiTModule.upgrade_hparams(model_cfg).get("muon", {}).get("schedule")
+    adaptive = 4 * muon / gpus if schedule == "adaptive" else 0
     telemetry = 2 * 4 * total / gpus if _has_callback(config, "OptimizerTelemetry") else 0
     frozen = sum(2 * NOMINAL_PARAMS[k] for k in ("vae_path", "text_encoder_path") if model_cfg.get(k))
     evaluation_args = _evaluation(config)

@@ -64,7 +64,10 @@ def fit(root, max_steps, callbacks, optimizer="periodic_muon", log_every=1, stra
 
 def test_generation_evaluation_logs_at_the_expected_steps(cache, tmp_path):
     evaluation = GenerationEvaluation(
-        every_n_steps=10, num_samples=64, num_inference_steps=3, batch_size=32, grid_size=16, progress=False
+        sampling={"num_samples": 64, "num_inference_steps": 3, "batch_size": 32},
+        every_n_steps=10,
+        grid_size=16,
+        progress=False,
     )
     trainer = fit(tmp_path, 25, [evaluation, ModelCheckpoint(every_n_train_steps=10, save_top_k=-1)])
     acc = event_scalars(trainer.logger.log_dir)
@@ -88,7 +91,10 @@ def test_train_val_eval_lr_and_telemetry_scalars_share_step_numbers(cache, tmp_p
     from lightning.pytorch.callbacks import LearningRateMonitor
 
     evaluation = GenerationEvaluation(
-        every_n_steps=10, num_samples=32, num_inference_steps=2, batch_size=32, grid_size=0, progress=False
+        sampling={"num_samples": 32, "num_inference_steps": 2, "batch_size": 32},
+        every_n_steps=10,
+        grid_size=0,
+        progress=False,
     )
     callbacks = [evaluation, OptimizerTelemetry(), LearningRateMonitor(logging_interval="step")]
     trainer = fit(tmp_path, 20, callbacks, log_every=5, val_check_interval=10, limit_val_batches=1)
@@ -115,7 +121,10 @@ def test_best_fd_checkpoint_is_the_lowest_fd_in_metrics_jsonl(cache, tmp_path):
         )
 
     evaluation = GenerationEvaluation(
-        every_n_steps=2, num_samples=32, num_inference_steps=2, batch_size=32, grid_size=16, progress=False
+        sampling={"num_samples": 32, "num_inference_steps": 2, "batch_size": 32},
+        every_n_steps=2,
+        grid_size=16,
+        progress=False,
     )
     lowest, highest = best("min"), best("max")
     trainer = fit(tmp_path, 10, [ModelCheckpoint(every_n_train_steps=2, save_top_k=-1), evaluation, lowest, highest])
@@ -135,11 +144,11 @@ def test_best_fd_checkpoint_is_the_lowest_fd_in_metrics_jsonl(cache, tmp_path):
 
 
 def test_missing_weights_fail_at_setup_before_training(cache, tmp_path):
-    evaluation = GenerationEvaluation(metrics=["fd_dinov2"], dinov2_weights=str(tmp_path / "no-dinov2"))
+    evaluation = GenerationEvaluation(suite={"metrics": ["fd_dinov2"], "dinov2_weights": str(tmp_path / "no-dinov2")})
     with pytest.raises(FileNotFoundError, match="DINOv2 weights not found"):
         fit(tmp_path, 5, [evaluation])
     with pytest.raises(ValueError, match="needs `inception_weights=`"):
-        fit(tmp_path, 5, [GenerationEvaluation(metrics=["fid"])])
+        fit(tmp_path, 5, [GenerationEvaluation(suite={"metrics": ["fid"]})])
 
 
 def test_telemetry_logs_a_refresh_exactly_every_k_steps(cache, tmp_path):
@@ -204,9 +213,12 @@ def _fit_without_checkpointing(rank, world, root):
     from lightning_muon.recipes.module import DiTModule
 
     evaluation = GenerationEvaluation(
-        metrics=["fd_digits"], every_n_steps=2, num_samples=16, num_inference_steps=2, batch_size=16, grid_size=4,
+        suite={"metrics": ["fd_digits"]},
+        sampling={"num_samples": 16, "num_inference_steps": 2, "batch_size": 16},
+        every_n_steps=2,
+        grid_size=4,
         progress=False,
-    )  # fmt: skip
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy="muon_fsdp", max_steps=2, enable_checkpointing=False,
         logger=TensorBoardLogger(root), enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
@@ -301,7 +313,10 @@ def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
 
 def test_generation_evaluation_on_every_checkpoint(cache, tmp_path):
     evaluation = GenerationEvaluation(
-        every_n_steps=0, on_checkpoint=True, num_samples=32, num_inference_steps=2, batch_size=32, progress=False
+        sampling={"num_samples": 32, "num_inference_steps": 2, "batch_size": 32},
+        every_n_steps=0,
+        on_checkpoint=True,
+        progress=False,
     )
     trainer = fit(tmp_path, 14, [evaluation, ModelCheckpoint(every_n_train_steps=7, save_top_k=-1, save_last=True)])
     assert [h["step"] for h in evaluation.history] == [7, 14]
@@ -413,7 +428,10 @@ def test_early_stopping_reads_the_evaluation(cache, tmp_path):
     from lightning.pytorch.callbacks import EarlyStopping
 
     evaluation = GenerationEvaluation(
-        every_n_steps=1, num_samples=16, num_inference_steps=1, batch_size=16, grid_size=0, progress=False
+        sampling={"num_samples": 16, "num_inference_steps": 1, "batch_size": 16},
+        every_n_steps=1,
+        grid_size=0,
+        progress=False,
     )
     # an improvement of 1e6 is never reached: the first check sets the best, the second stops training
     stop = EarlyStopping(monitor="eval/fd_digits", mode="min", patience=0, min_delta=1e6, check_on_train_epoch_end=True)
@@ -433,8 +451,8 @@ def test_early_stopping_reads_the_evaluation(cache, tmp_path):
 
 
 def test_evaluate_flags_and_the_callback_share_the_engines_defaults():
-    """``evaluate``'s flags are the fields of Sampling and MetricSuite; the callback's signature has the same
-    defaults (control: a default changed in the callback alone is caught)."""
+    """``evaluate``'s flags are the fields of Sampling and MetricSuite, and the callback takes the same objects whole
+    (control: a changed default is seen)."""
     import inspect
     from dataclasses import fields
 
@@ -442,20 +460,12 @@ def test_evaluate_flags_and_the_callback_share_the_engines_defaults():
     from lightning_muon.recipes.evaluate import build_parser
 
     args = vars(build_parser().parse_args(["run"]))
+    for f in (*fields(Sampling), *fields(MetricSuite)):
+        want = None if f.name == "num_classes" else f.default  # evaluate reads it from the checkpoint
+        assert args[f.name] == (list(want) if isinstance(want, tuple) else want), f.name
     signature = inspect.signature(GenerationEvaluation.__init__).parameters
-
-    def mismatches(signature):
-        wrong = []
-        for f in (*fields(Sampling), *fields(MetricSuite)):
-            want = None if f.name == "num_classes" else f.default  # evaluate reads it from the checkpoint
-            assert args[f.name] == (list(want) if isinstance(want, tuple) else want), f.name
-            if signature[f.name].default != f.default:
-                wrong.append(f.name)
-        return wrong
-
-    assert mismatches(signature) == []
-    changed = dict(signature, seed=signature["seed"].replace(default=1))
-    assert mismatches(changed) == ["seed"]
+    assert signature["sampling"].default == Sampling() and signature["suite"].default == MetricSuite()
+    assert signature["sampling"].default != Sampling(seed=1)  # the control
 
 
 def test_evaluate_scores_a_checkpoint_as_the_callback_did_at_its_step(cache, tmp_path):
@@ -463,7 +473,7 @@ def test_evaluate_scores_a_checkpoint_as_the_callback_did_at_its_step(cache, tmp
     ``evaluate`` on the step-6 checkpoint agree. (The callback ran before the EMA callback's update of that step
     until it brought the average up to date itself: FD differed by ~1% on the default run.)"""
     settings = dict(num_samples=48, num_inference_steps=3, batch_size=48)
-    evaluation = GenerationEvaluation(every_n_steps=6, progress=False, **settings)
+    evaluation = GenerationEvaluation(sampling=settings, every_n_steps=6, progress=False)
     fit(tmp_path / "run", 6, [evaluation, ModelCheckpoint(every_n_train_steps=6, save_top_k=-1)])
     callback = evaluation.history[-1]
     assert callback["step"] == 6

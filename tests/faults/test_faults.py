@@ -339,7 +339,10 @@ def test_an_evaluation_cut_short_is_redone_on_resume_and_none_is_repeated(tmp_pa
 
     def fit(max_steps, ckpt_path=None, fail_at=None):
         evaluation = GenerationEvaluation(
-            metrics=["fd_digits"], every_n_steps=2, num_samples=20, num_inference_steps=2, batch_size=20, progress=False
+            suite={"metrics": ["fd_digits"]},
+            sampling={"num_samples": 20, "num_inference_steps": 2, "batch_size": 20},
+            every_n_steps=2,
+            progress=False,
         )
         trainer = L.Trainer(
             accelerator="cpu",

@@ -126,7 +126,9 @@ def test_the_callback_leaves_its_networks_off_the_training_gpu(tmp_path, monkeyp
     image_folder(tmp_path / "real", 4, size=8)
     dinov2 = str(tiny_dinov2(tmp_path / "dinov2"))
     callback = GenerationEvaluation(
-        metrics=["fd_dinov2"], dinov2_weights=dinov2, real_images_dir=str(tmp_path / "real"), num_samples=4
+        suite={"metrics": ["fd_dinov2"], "dinov2_weights": dinov2},
+        sampling={"num_samples": 4},
+        real_images_dir=str(tmp_path / "real"),
     )
     with fake_cuda(monkeypatch):
         module = module_on_cuda()

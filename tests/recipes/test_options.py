@@ -1,6 +1,7 @@
 """One source of every default: the optimizer's keyword defaults are ``MuonConfig``'s and ``AdamWConfig``'s,
-``DiTModule`` takes the Muon options whole (``muon=``, ``--model.muon.period``), and what was written before they
-moved there — a checkpoint, each shipped config, a command line — still loads, in today's form."""
+``DiTModule`` takes the Muon options whole (``muon=``, ``--model.muon.period``), ``GenerationEvaluation`` its metric
+suite and sampling options (``suite=``, ``sampling=``), and what was written before — a checkpoint, each shipped
+config, a command line — still loads, in today's form."""
 
 import contextlib
 import dataclasses
@@ -66,14 +67,16 @@ def test_each_shipped_config_written_before_the_change_still_parses(name, capsys
     def printed(*args: str) -> dict:
         with contextlib.ExitStack() as stack:
             if "_0.1" in args[1]:  # read through a converted copy, with a warning
-                stack.enter_context(pytest.warns(FutureWarning, match="model.muon"))
+                stack.enter_context(pytest.warns(FutureWarning, match="converted copy"))
             done = stack.enter_context(pytest.raises(SystemExit))
             main(["fit", *args, "--print_config"])
         assert done.value.code in (0, None)
-        return yaml.safe_load(capsys.readouterr().out)["model"]
+        return yaml.safe_load(capsys.readouterr().out)
 
     old, new = printed("--config", str(LEGACY / f"{name}_0.1.yaml")), printed("--config", str(CONFIGS / f"{name}.yaml"))
-    assert old["muon"] == new["muon"] and old["adamw_weight_decay"] == new["adamw_weight_decay"]
+    assert old["model"]["muon"] == new["model"]["muon"]
+    assert old["model"]["adamw_weight_decay"] == new["model"]["adamw_weight_decay"]
+    assert old["trainer"]["callbacks"] == new["trainer"]["callbacks"]  # GenerationEvaluation's suite and sampling
     legacy = yaml.safe_load((LEGACY / f"{name}_0.1.yaml").read_text())["model"]
     assert "period" in legacy and "muon" not in legacy  # the control: the old file has the flat keys
 

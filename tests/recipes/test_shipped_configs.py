@@ -156,16 +156,16 @@ def user_override(name, assets):
         if callback["class_path"].endswith("ModelCheckpoint"):
             init["every_n_train_steps"] = 2
         if callback["class_path"].endswith("GenerationEvaluation"):
-            init.update(
-                every_n_steps=2,
-                num_samples=10,  # the Inception Score's 10 splits need 10
-                batch_size=4,
-                num_inference_steps=2,
-                real_image_size=16,
-                clip_model=str(assets["clip_model"]),
-                hps_model=str(assets["clip_model"]),
-                progress=False,
-            )
+            init.update(every_n_steps=2, real_image_size=16, progress=False)
+            init["sampling"] = {
+                **init.get("sampling", {}),
+                "num_samples": 10,
+                "batch_size": 4,
+                "num_inference_steps": 2,
+            }
+            clip = str(assets["clip_model"])
+            init["suite"] = {**init["suite"], "clip_model": clip, "hps_model": clip}
+            # (num_samples 10: the Inception Score's 10 splits need 10)
     model = {k: localize(v, assets["paths"]) for k, v in cfg["model"].items() if k.endswith("_path")}
     model["model_config"] = {**cfg["model"]["model_config"], **SHRINK[cfg["model"]["architecture"]]}
     model["warmup_steps"] = 1
@@ -211,7 +211,7 @@ def test_shipped_config_end_to_end(name, assets, tmp_path):
         for c in load_config(*SHIPPED_CONFIGS[name])["trainer"]["callbacks"]
         if c["class_path"].endswith("GenerationEvaluation")
     )
-    metrics = evaluation["init_args"]["metrics"]
+    metrics = evaluation["init_args"]["suite"]["metrics"]
     assert [r["step"] for r in rows] == [2, 4]
     keys = {k for k in rows[0] if k.startswith("eval/") and k != "eval/seconds"}
     assert len(keys) >= len(metrics) and all(math.isfinite(r[k]) for r in rows for k in keys), rows
