@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import fields
@@ -41,7 +42,6 @@ log = logging.getLogger(__name__)
 def sample_grid(images: Tensor, min_size: int = 256) -> Tensor:
     """uint8 images ``(N, C, h, w)`` as one square float grid ``(3, H, W)`` in [0, 1], each image upscaled
     (nearest, by an integer factor) so the grid is at least ``min_size`` pixels wide."""
-    import math
 
     from torchvision.utils import make_grid
 

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 import lightning_muon.compat as compat
+from lightning_muon.callbacks.ema import update_averages
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,6 @@ class Preemption(Callback):
         return flags[0], flags[1]
 
     def _save_and_requeue(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_muon.callbacks.ema import update_averages
 
         update_averages(trainer, pl_module)
         path = compat.hpc_save_path(trainer)

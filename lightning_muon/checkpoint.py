@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -24,10 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
+from lightning_muon.compat import dcp_set_element
 from lightning_muon.storage import (
     StorageError,
     atomic_save,
@@ -103,7 +109,6 @@ class SafeFileSystemReader(FileSystemReader):
     """torch's ``FileSystemReader`` with its metadata read by :class:`MetadataUnpickler` instead of ``pickle.load``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
         with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
@@ -119,7 +124,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ``torch.load(weights_only=True)`` instead of ``weights_only=False``."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-        from lightning_muon.compat import dcp_set_element
 
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
@@ -166,9 +170,6 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
 
 def _check_byte_entries(path: Path, metadata: Any) -> None:
     """Read every non-tensor entry (small: optimizer hyper-parameters, …) with ``torch.load(weights_only=True)``."""
-    import io
-
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     byte_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     for index, info in (metadata.storage_data or {}).items():
@@ -216,7 +217,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     found = newest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"No complete checkpoint (*.ckpt) under {path}: nothing to resume from.")
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     rank_zero_info(f"Resuming from {found[0]} (global step {found[1]}): the newest complete checkpoint under {path}.")
     return found[0]
@@ -230,8 +230,6 @@ def load_distributed(state: dict[str, Any], path: str | os.PathLike) -> None:
         ValueError: naming the checkpoint and the first rank's error (torch raises a ``BaseException``, which
             ``except Exception`` would not catch).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
@@ -260,8 +258,6 @@ def save_distributed_checkpoint(
     Raises:
         StorageError: the disk filled or the directory is not writable (on every rank).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     partial, old = path.with_name(f".{path.name}{_PARTIAL}"), path.with_name(f".{path.name}{_OLD}")

@@ -45,8 +45,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
@@ -208,7 +214,6 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
         if not any(isinstance(c, Preemption) for c in trainer.callbacks):
@@ -314,12 +319,6 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         """Resume from a checkpoint, or from the newest complete one under a directory. Nothing is unpickled beyond
         tensors and plain containers; an incomplete or damaged checkpoint is refused before any state is touched.
         Each rank gets back its own dataloader position when the device count is unchanged."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
 
         path = self._checkpoint_chosen_by_rank_zero(checkpoint_path)
         if not is_distributed_checkpoint(path):

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Subset
 from torchmetrics import Metric
 
 from lightning_muon.metrics.features import ClipFeatures, DigitsFeatures, DinoV2Features, InceptionFeatures
@@ -37,7 +38,9 @@ from lightning_muon.metrics.reference import ensure_references
 from lightning_muon.parallelize import rank_and_world
 
 __all__ = [
+    "METRICS",
     "METRIC_NAMES",
+    "MetricSpec",
     "MetricSuite",
     "Sampling",
     "Scores",
@@ -50,22 +53,72 @@ __all__ = [
     "score_generation",
 ]
 
-#: name -> (what it is, the path arguments it needs)
-METRIC_NAMES = {
-    "fd_digits": ("Fréchet distance on digits-classifier features (offline default)", ()),
-    "prdc_digits": ("precision/recall/density/coverage on digits-classifier features", ()),
-    "fd_dinov2": ("FD-DINOv2 (DINOv2 ViT-L/14 CLS features)", ("dinov2_weights",)),
-    "prdc_dinov2": ("precision/recall/density/coverage on DINOv2 features, k=5", ("dinov2_weights",)),
-    "fid": ("FID (InceptionV3 pool3, torch-fidelity weights and resize)", ("inception_weights",)),
-    "kid": ("KID (InceptionV3 pool3, torch-fidelity's 100 subsets of 1000)", ("inception_weights",)),
-    "is": ("Inception Score (InceptionV3 logits, 10 splits; generated images only)", ("inception_weights",)),
-    "sfid": ("sFID (ADM's spatial InceptionV3 features, mixed_6/conv[:7])", ("inception_weights",)),
-    "cmmd": ("CMMD: RBF MMD on CLIP ViT-L/14@336 embeddings", ("clip_weights",)),
-    "hpsv2": ("HPSv2.1 image-prompt score", ("hps_weights",)),
-    "geneval2": (
+
+class MetricSpec(NamedTuple):
+    """One metric name: what it is, the :class:`MetricSuite` paths it needs, and how it is built from the suite and
+    ``extractor(kind)``, the suite's shared feature networks (:data:`EXTRACTORS`)."""
+
+    description: str
+    needs: tuple[str, ...]
+    build: Callable[[MetricSuite, Callable[[str], Any]], Metric]
+
+
+#: Every metric name, in one place: adding a metric is one entry here (and its class in ``metrics/generation.py``).
+METRICS: dict[str, MetricSpec] = {
+    "fd_digits": MetricSpec(
+        "Fréchet distance on digits-classifier features (offline default)", (),
+        lambda s, ext: FrechetDistance(ext("digits")),
+    ),
+    "prdc_digits": MetricSpec(
+        "precision/recall/density/coverage on digits-classifier features", (),
+        lambda s, ext: PrecisionRecallDensityCoverage(ext("digits")),
+    ),
+    "fd_dinov2": MetricSpec(
+        "FD-DINOv2 (DINOv2 ViT-L/14 CLS features)", ("dinov2_weights",),
+        lambda s, ext: FrechetDistance(ext("dinov2")),
+    ),
+    "prdc_dinov2": MetricSpec(
+        "precision/recall/density/coverage on DINOv2 features, k=5", ("dinov2_weights",),
+        lambda s, ext: PrecisionRecallDensityCoverage(ext("dinov2")),
+    ),
+    "fid": MetricSpec(
+        "FID (InceptionV3 pool3, torch-fidelity weights and resize)", ("inception_weights",),
+        lambda s, ext: FrechetDistance(ext("inception")),
+    ),
+    "kid": MetricSpec(
+        "KID (InceptionV3 pool3, torch-fidelity's 100 subsets of 1000)", ("inception_weights",),
+        lambda s, ext: KernelInceptionDistance(ext("inception")),
+    ),
+    "is": MetricSpec(
+        "Inception Score (InceptionV3 logits, 10 splits; generated images only)", ("inception_weights",),
+        lambda s, ext: InceptionScore(ext("inception").view("logits")),
+    ),
+    "sfid": MetricSpec(
+        "sFID (ADM's spatial InceptionV3 features, mixed_6/conv[:7])", ("inception_weights",),
+        lambda s, ext: FrechetDistance(ext("inception").view("spatial")),
+    ),
+    "cmmd": MetricSpec(
+        "CMMD: RBF MMD on CLIP ViT-L/14@336 embeddings", ("clip_weights",),
+        lambda s, ext: MaximumMeanDiscrepancy(ext("clip")),
+    ),
+    "hpsv2": MetricSpec(
+        "HPSv2.1 image-prompt score", ("hps_weights",),
+        lambda s, ext: HPSv2Score(s.hps_weights, s.hps_model),
+    ),
+    "geneval2": MetricSpec(
         "GenEval 2 with Soft-TIFA (a VLM judge answers one question per prompt atom; its own prompts)",
         ("geneval2_prompts", "geneval2_judge"),
+        lambda s, ext: GenEval2(s.geneval2_prompts, s.geneval2_judge, s.geneval2_images_per_prompt),
     ),
+}  # fmt: skip
+#: name -> (what it is, the path arguments it needs): the registry's public summary
+METRIC_NAMES = {name: (spec.description, spec.needs) for name, spec in METRICS.items()}
+#: the suite's shared feature networks, built once per kind
+EXTRACTORS: dict[str, Callable[[MetricSuite], Any]] = {
+    "digits": lambda s: DigitsFeatures(),
+    "dinov2": lambda s: DinoV2Features(s.dinov2_weights),
+    "inception": lambda s: InceptionFeatures(s.inception_weights, resize=s.fid_resize),
+    "clip": lambda s: ClipFeatures(s.clip_weights, s.clip_model, quick_gelu=s.clip_quick_gelu),
 }
 
 
@@ -105,40 +158,19 @@ class MetricSuite:
         """
         names = self.metrics
         for name in names:
-            if name not in METRIC_NAMES:
-                raise ValueError(f"Unknown metric {name!r}; choose from {sorted(METRIC_NAMES)}.")
-            for needed in METRIC_NAMES[name][1]:
+            if name not in METRICS:
+                raise ValueError(f"Unknown metric {name!r}; choose from {sorted(METRICS)}.")
+            for needed in METRICS[name].needs:
                 if not getattr(self, needed):
                     raise ValueError(f"Metric {name!r} needs `{needed}=` (a local path); this library never downloads.")
         cache: dict[str, object] = {}
 
         def extractor(kind: str):
             if kind not in cache:
-                cache[kind] = {
-                    "digits": lambda: DigitsFeatures(),
-                    "dinov2": lambda: DinoV2Features(self.dinov2_weights),
-                    "inception": lambda: InceptionFeatures(self.inception_weights, resize=self.fid_resize),
-                    "clip": lambda: ClipFeatures(self.clip_weights, self.clip_model, quick_gelu=self.clip_quick_gelu),
-                }[kind]()
+                cache[kind] = EXTRACTORS[kind](self)
             return cache[kind]
 
-        def inception(layer: str) -> InceptionFeatures:
-            return extractor("inception").view(layer)
-
-        factories = {
-            "fd_digits": lambda: FrechetDistance(extractor("digits")),
-            "prdc_digits": lambda: PrecisionRecallDensityCoverage(extractor("digits")),
-            "fd_dinov2": lambda: FrechetDistance(extractor("dinov2")),
-            "prdc_dinov2": lambda: PrecisionRecallDensityCoverage(extractor("dinov2")),
-            "fid": lambda: FrechetDistance(extractor("inception")),
-            "kid": lambda: KernelInceptionDistance(extractor("inception")),
-            "is": lambda: InceptionScore(inception("logits")),
-            "sfid": lambda: FrechetDistance(inception("spatial")),
-            "cmmd": lambda: MaximumMeanDiscrepancy(extractor("clip")),
-            "hpsv2": lambda: HPSv2Score(self.hps_weights, self.hps_model),
-            "geneval2": lambda: GenEval2(self.geneval2_prompts, self.geneval2_judge, self.geneval2_images_per_prompt),
-        }
-        return {name: factories[name]() for name in names}
+        return {name: METRICS[name].build(self, extractor) for name in names}
 
 
 @dataclass(frozen=True)
@@ -230,7 +262,6 @@ def prepare_references(
     pending = {n: m for n, m in metrics.items() if getattr(m, "reference", True) is None}
     if not pending:
         return
-    from torch.utils.data import DataLoader, Subset
 
     rank, world = rank_and_world()
     images = real_images()

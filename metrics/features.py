@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import weakref
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_muon.checkpoint import StorageError, atomic_save
+from lightning_muon.checkpoint import StorageError, atomic_save, check_weights_file
 from lightning_muon.metrics.images import check_images, clean_resize, normalize, pil_resize, to_uint8, to_unit_float
 
 __all__ = [
@@ -252,8 +253,6 @@ class InceptionFeatures(FeatureExtractor):
             )
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
 
-        from lightning_muon.checkpoint import check_weights_file
-
         check_weights_file(path, "InceptionV3 weights")  # torch-fidelity unpickles it with weights_only=False
         self.net = FeatureExtractorInceptionV3(
             "inception-v3-compat", ["2048", "logits_unbiased"], feature_extractor_weights_path=str(path)
@@ -305,7 +304,6 @@ def read_open_clip_state(path: Path) -> dict[str, Tensor]:
     """Weights from a ``.safetensors`` file, OpenAI's TorchScript release (``ViT-L-14-336px.pt``: a TorchScript
     archive, read with ``torch.jit.load``, no pickled Python objects) or a ``torch.save``d state dict / training
     checkpoint ``{"state_dict": ...}`` (HPS v2.1, read with ``weights_only=True``); ``module.`` prefixes removed."""
-    import zipfile
 
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file

@@ -16,12 +16,17 @@ from typing import Any
 
 import lightning as L
 import yaml
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_muon  # noqa: F401  (registers strategy="muon_fsdp")
+from lightning_muon.callbacks import GenerationEvaluation, LineProgress, Preemption, StepProgressBar
+from lightning_muon.checkpoint import AtomicCheckpointIO, resolve_checkpoint
 from lightning_muon.recipes.module import LEGACY_MUON_KEYS, DiTModule
 from lightning_muon.recipes.shipped import DEFAULT_CONFIG, shipped_config_paths
-from lightning_muon.storage import exit_on_storage_error
+from lightning_muon.recipes.trust import checked_checkpoint
+from lightning_muon.storage import check_writable, exit_on_storage_error
 
 
 def upgraded_options(argv: list[str]) -> list[str]:
@@ -52,7 +57,6 @@ def upgraded_options(argv: list[str]) -> list[str]:
 def upgraded_config(path: str) -> str:
     """``path``, or a converted copy of it when it was written before the options became objects (flat optimizer
     keys under ``model``, flat metric and sampling arguments of a ``GenerationEvaluation``)."""
-    from lightning_muon.callbacks.generation import GenerationEvaluation
 
     config = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(config, dict):
@@ -116,8 +120,6 @@ class MuonCLI(LightningCLI):
         (:func:`~lightning_muon.recipes.trust.checked_checkpoint`: no class is named, nothing sized by the file is
         allocated). They replace the configured model's, as Lightning does for single files (here also for
         distributed checkpoints). A file that fails is one line naming it and what is wrong (exit code 2)."""
-        from lightning_muon.checkpoint import resolve_checkpoint
-        from lightning_muon.recipes.trust import checked_checkpoint
 
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -134,7 +136,6 @@ class MuonCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """A read-only output directory is one line before anything is built, not a traceback at the first log."""
-        from lightning_muon.storage import check_writable
 
         if self.subcommand:
             check_writable(self.config[self.subcommand].trainer.get("default_root_dir") or ".")
@@ -154,11 +155,6 @@ class MuonCLI(LightningCLI):
         :class:`~lightning_muon.callbacks.LineProgress` lines when stdout is redirected (a log file, a Slurm job);
         :class:`~lightning_muon.callbacks.Preemption` (signals acted on between steps), and
         :class:`~lightning_muon.checkpoint.AtomicCheckpointIO` unless a ``CheckpointIO`` plugin is configured."""
-        from lightning.fabric.plugins import CheckpointIO
-        from lightning.pytorch.callbacks import ProgressBar
-
-        from lightning_muon.callbacks import LineProgress, Preemption, StepProgressBar
-        from lightning_muon.checkpoint import AtomicCheckpointIO
 
         config = self._get(self.config_init, "trainer", default={})
         callbacks = list(config.get("callbacks") or [])
@@ -182,9 +178,6 @@ class MuonCLI(LightningCLI):
 def fit_summary(trainer: L.Trainer) -> str:
     """Best and last evaluation values, the checkpoints, and the ``tensorboard`` command for the run's logs (every
     rank calls it: ``trainer.log_dir`` broadcasts)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from lightning_muon.callbacks import GenerationEvaluation
 
     lines = [f"Trained {trainer.global_step} steps."]
     for evaluation in (c for c in trainer.callbacks if isinstance(c, GenerationEvaluation) and c.history):

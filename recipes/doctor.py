@@ -44,6 +44,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -253,7 +254,6 @@ def run_checks(
 ) -> list[Result]:
     """Every check not in ``skip``; an exception in one is its FAILED row, the others still run. ``work``: where the
     multi-process checks write (a temporary directory by default)."""
-    import tempfile
 
     work = Path(work or tempfile.mkdtemp(prefix="lightning_muon_doctor_"))
     checks: dict[str, Callable[[], Result]] = {

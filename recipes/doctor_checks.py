@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -15,9 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from lightning_muon import PeriodicRowwiseMuon
+from lightning_muon.compat import torch_muon_orthogonalize
+from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS, default_ns_dtype, newton_schulz
 from lightning_muon.parallelize import free_port
+from lightning_muon.recipes.memory import GIB, memory_per_gpu
+from lightning_muon.recipes.module import DiTModule
 from lightning_muon.recipes.shipped import CONFIGS, load_config
 
 #: the largest ratio of measured peak memory to the estimate that passes
@@ -54,7 +63,6 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -
 
 def versions(device: torch.device) -> Result:
     import diffusers
-    import lightning
 
     figures: dict[str, float | str] = {
         "python": platform.python_version(),
@@ -73,7 +81,6 @@ def versions(device: torch.device) -> Result:
 
 
 def bf16(device: torch.device) -> Result:
-    from lightning_muon.optim.kernels import default_ns_dtype
 
     native = torch.cuda.is_bf16_supported() if device.type == "cuda" else default_ns_dtype(device) == torch.bfloat16
     detail = "native bf16 matmul: NS5 runs in bf16" if native else "no native bf16: NS5 runs in fp32"
@@ -102,7 +109,6 @@ def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def optimizer(device: torch.device, **options: object) -> Result:
     """``options`` go to our optimizer only (a test passes a wrong one to see this check fail)."""
-    from lightning_muon import PeriodicRowwiseMuon
 
     shared = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)  # stated: the two defaults differ
     vanilla = {"period": 1, "ns_eps": 1e-7, "ns_dtype": torch.bfloat16, **shared, **options}
@@ -123,8 +129,6 @@ def optimizer(device: torch.device, **options: object) -> Result:
 
 
 def ns5(device: torch.device, hiddens: list[int]) -> Result:
-    from lightning_muon.compat import torch_muon_orthogonalize
-    from lightning_muon.optim.kernels import DEFAULT_NS_COEFFICIENTS, default_ns_dtype, newton_schulz
 
     dtype = default_ns_dtype(device)
     figures: dict[str, float | str] = {"dtype": str(dtype).removeprefix("torch.")}
@@ -145,7 +149,6 @@ def ns5(device: torch.device, hiddens: list[int]) -> Result:
 
 
 def _collective_worker(rank: int, world: int, port: int, mib: int, out: str) -> None:
-    import torch.distributed as dist
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -169,9 +172,6 @@ def collectives(device: torch.device, mib: int = 64) -> Result:
     world = torch.cuda.device_count() if device.type == "cuda" else 0
     if world < 2:
         return Result("collectives", "skipped", "fewer than 2 GPUs" if world else "no CUDA (NCCL)")
-    import tempfile
-
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rates.json")
@@ -182,7 +182,6 @@ def collectives(device: torch.device, mib: int = 64) -> Result:
 
 
 def fused(device: torch.device) -> Result:
-    from lightning_muon import PeriodicRowwiseMuon
 
     options = dict(lr=0.02, period=3, rownorm_scale=0.15, ns_dtype=torch.float32)
     start = time.perf_counter()
@@ -198,7 +197,6 @@ def fused(device: torch.device) -> Result:
 def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, dict]:
     """The DiT config cut to two blocks (``None`` for a text-to-image config), one optimizer step of it at its per-GPU
     batch on CUDA (2 on a CPU): ``(model options, module, figures)``."""
-    from lightning_muon.recipes.module import DiTModule
 
     full = load_config(config or CONFIGS / "dit_xl2_imagenet256.yaml")
     model = {k: v for k, v in full["model"].items() if k not in ("vae_path", "text_encoder_path")}
@@ -268,7 +266,6 @@ def memory(device: torch.device, config: str | None = None, guidance: float = 1.
     + telemetry + activations; states + the metric networks + one block's sampling activations)."""
     if device.type != "cuda":
         return Result("memory", "skipped", "max_memory_allocated needs CUDA")
-    from lightning_muon.recipes.memory import GIB, memory_per_gpu
 
     torch.cuda.reset_peak_memory_stats(device)
     model, module, figures = _shrunk_step(device, config)

@@ -31,9 +31,13 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_muon.device as device
+from lightning_muon import PeriodicRowwiseMuon, compat
 from lightning_muon.optim import MuonConfig
 from lightning_muon.optim.shards import local
 from lightning_muon.recipes.module import DiTModule
@@ -193,11 +197,6 @@ def transports(args: argparse.Namespace) -> None:
     (collectives return without data: placement, kernels and host syncs are what is checked): ``SHAPES`` sharded
     with FSDP2, K = 3, four steps; on CUDA every step after the first under
     ``torch.cuda.set_sync_debug_mode("error")``. Writes the collectives each transport made."""
-    from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from lightning_muon import PeriodicRowwiseMuon, compat
 
     on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     compat.init_fake_process_group(rank=0, world_size=8)

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Subset
 
 from lightning_muon.recipes.data import ImageFolder
@@ -107,8 +108,6 @@ def main(argv: list[str] | None = None) -> list[Path]:
         write_latent_shard(shards[k], **tensors)
 
     if world > 1:
-        import torch.distributed as dist
-
         dist.init_process_group("gloo")
         dist.barrier()  # every rank's shards are on disk
         dist.destroy_process_group()

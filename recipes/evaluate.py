@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_muon.checkpoint import is_distributed_checkpoint, load_distributed
 from lightning_muon.metrics.evaluation import (
@@ -194,7 +195,6 @@ def _init_distributed(device: str | None) -> torch.device:
     On CUDA this rank's GPU (``LOCAL_RANK``) becomes the current device before the group exists and is bound to it
     (``device_id``): NCCL collectives, the object collectives (reference statistics, checkpoint metadata) included,
     run on each rank's own GPU — never all on ``cuda:0``."""
-    import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available() and device in (None, "cuda")
@@ -280,7 +280,6 @@ def _score(
 def _agreed_error(error: str | None) -> str | None:
     """This rank's load error of a checkpoint agreed over the ranks (one object all-gather): every failing rank's
     message, named by rank, or ``None`` when every rank loaded it — so every rank skips it or scores it together."""
-    import torch.distributed as dist
 
     if not dist.is_initialized():
         return error
@@ -298,7 +297,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    import torch.distributed as dist
     from tqdm.auto import tqdm
 
     try:

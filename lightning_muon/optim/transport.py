@@ -28,6 +28,7 @@ raises :class:`~lightning_muon.optim.nonfinite.NonFiniteGradient` at the same po
 from __future__ import annotations
 
 import atexit
+import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -83,7 +84,6 @@ def release_gloo_workers_at_exit() -> None:
     ``~AsyncAllgatherCoalescedWork`` → ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` → ``take_gil`` →
     ``PyThread_exit_thread`` during ``Py_FinalizeEx`` → ``std::terminate``. Registered when this module is imported,
     so a process whose only collectives are a metric's sync is covered too (seen: a 3-rank reference-cache test)."""
-    import time
 
     alive = dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
     if alive or _carried_gloo:

@@ -47,7 +47,7 @@ def hostile(source: Path, target: Path, **changes) -> Path:
 
 def test_hostile_sizes_are_refused_in_under_a_second_with_memory_flat(default_checkpoint, tmp_path):
     """200,000 layers of 64 heads × 128 (the issue's checkpoint); then each size a file declares, one at a time."""
-    assert checked_checkpoint(default_checkpoint, DiTModule)["period"] == 3  # the control: the true sizes pass
+    assert checked_checkpoint(default_checkpoint, DiTModule)["muon"]["period"] == 3  # the control: the true sizes pass
     cases = {
         "num_layers": {"model_config": {**TINY_DIT, **HOSTILE}},
         "pos_embed.proj.weight": {"model_config": {**TINY_DIT, "num_attention_heads": 64, "attention_head_dim": 128}},
