@@ -125,7 +125,9 @@ SIGNATURES = {
     },
     "api/parallelism": {"lightning_muon.muon_param_groups": ["model: Module"]},
     "api/strategy": {"lightning_muon.MuonFSDPStrategy": ["hsdp: bool = False", "blocks: str | list[str] | None"]},
-    "api/recipes": {"lightning_muon.recipes.DiTModule": ['optimizer: Optimizer = "periodic_muon"', "period: int = 3"]},
+    "api/recipes": {
+        "lightning_muon.recipes.DiTModule": ['optimizer: Optimizer = "periodic_muon"', "muon: MuonConfig = MuonConfig("]
+    },
     "api/callbacks": {"lightning_muon.callbacks.GenerationEvaluation": ["every_n_steps: int = 500"]},
     "api/metrics": {
         f"lightning_muon.metrics.{name}": ["extractor: FeatureExtractor"]

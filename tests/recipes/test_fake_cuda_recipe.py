@@ -61,7 +61,7 @@ def test_a_dit_training_step_and_its_optimizer_step_stay_on_the_gpu(monkeypatch)
         opt.step()
     assert findings.clean(), findings
     with fake_cuda(monkeypatch) as findings:
-        control = DrawsOnHost(ns_dtype="bfloat16", ema_decay=0.0)
+        control = DrawsOnHost(muon={"ns_dtype": "bfloat16"}, ema_decay=0.0)
         with CUDA:
             control.configure_model()
         control._device = CUDA

@@ -360,9 +360,11 @@ def test_paper_configs_match_their_names(config, billions):
         model = build_transformer(cfg["model"]["architecture"], cfg["model"]["model_config"])
     count = sum(p.numel() for p in model.parameters()) / 1e9
     assert abs(count - billions) <= 0.15 * billions, count
-    assert cfg["trainer"]["strategy"] == "muon_fsdp" and cfg["model"]["period"] == 3 and cfg["model"]["vae_path"]
+    assert (
+        cfg["trainer"]["strategy"] == "muon_fsdp" and cfg["model"]["muon"]["period"] == 3 and cfg["model"]["vae_path"]
+    )
     if config.startswith("t2i"):
-        assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["model"]["rownorm_scale"] == 0.15
+        assert cfg["trainer"]["precision"] == "bf16-mixed" and cfg["model"]["muon"]["rownorm_scale"] == 0.15
         assert cfg["trainer"]["num_nodes"] > 1 and cfg["trainer"]["val_check_interval"] == 5000
 
 
