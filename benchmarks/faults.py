@@ -5,9 +5,9 @@
     python benchmarks/faults.py --trials 20 # muon_fsdp on CPU/gloo: seconds from a rank raising to every rank
                                             # exiting (2 and 3 ranks), and SIGKILL-and-resume trials
 
-``--matrix`` runs ``tests/faults/matrix.py`` (each row a real CLI run; full disks are small tmpfs mounts, so it needs
-root) and writes ``benchmarks/results/fault_matrix.json``; the other tables run ``tests/faults/harness.py`` (forked
-ranks in torchrun's environment) and write ``benchmarks/results/faults.json``.
+``--matrix`` runs ``fault_injection/matrix.py`` (each row a real CLI run; full disks are small tmpfs mounts, so it
+needs root) and writes ``benchmarks/results/fault_matrix.json``; the other tables run ``fault_injection/harness.py``
+(forked ranks in torchrun's environment) and write ``benchmarks/results/faults.json``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "faults"))
+sys.path.insert(0, str(Path(__file__).parent / "fault_injection"))
 import harness  # noqa: E402
 import matrix  # noqa: E402
 

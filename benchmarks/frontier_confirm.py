@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from frontier_study import COLUMNS, Unit, _worker, mean
-from quality_study import _f, execute_planned, run_study
+from study import as_float, execute_planned, run_study
 
 PLAN: dict[str, Any] = {
     "config": "digits8",
@@ -78,7 +78,7 @@ def fd_table(rows: list[dict[str, Any]], role: str) -> dict[tuple, dict[int, flo
     table: dict[tuple, dict[int, float]] = defaultdict(dict)
     for r in rows:
         if r["role"] == role and r["config"] == PLAN["config"]:
-            table[r["arm"], _lr(r["lr"]), int(r["budget"])][int(r["seed"])] = _f(r["fd"])
+            table[r["arm"], _lr(r["lr"]), int(r["budget"])][int(r["seed"])] = as_float(r["fd"])
     return table
 
 

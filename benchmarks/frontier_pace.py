@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 
 from frontier_study import ARMS, is_muon
-from quality_study import CONFIGS, RUN_OPTIONS, muon_state
+from study import CONFIGS, RUN_OPTIONS, muon_state
 
 
 def pace(arms: list[str], args: argparse.Namespace) -> dict[str, dict[str, list[float] | float]]:

@@ -14,7 +14,7 @@ from typing import Any
 from frontier_pace import seconds_at
 from frontier_study import ARMS, Plan, budgets, tuning_loss, unit_key
 from quality_report import beyond_2se, mean_se
-from quality_study import _f
+from study import as_float
 
 METRICS = {"fd": ("FD (digits features)", 3), "val_loss": ("validation loss", 4)}
 
@@ -54,10 +54,10 @@ class Frontier:
         ]
 
     def values(self, arm: str, T: int, column: str) -> list[float]:
-        return [_f(r[column]) for r in self.cell(arm, T)]
+        return [as_float(r[column]) for r in self.cell(arm, T)]
 
     def by_seed(self, arm: str, T: int, column: str) -> dict[int, float]:
-        return {int(r["seed"]): _f(r[column]) for r in self.cell(arm, T)}
+        return {int(r["seed"]): as_float(r[column]) for r in self.cell(arm, T)}
 
     def text(self, arm: str, T: int, column: str, digits: int) -> str:
         xs = self.values(arm, T, column)

@@ -42,10 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from quality_study import (
+from study import (
     CONFIGS,
     RUN_OPTIONS,
-    _f,
+    StepClock,
+    as_float,
     digits_evaluation,
     execute_planned,
     muon_state,
@@ -140,7 +141,6 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train ``unit``: the stable run, then each budget's decay branch; one row per budget."""
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_muon.recipes.data import DigitsDataModule
     from lightning_muon.recipes.module import DiTModule
@@ -170,24 +170,15 @@ def train_unit(unit: Unit, args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         return DiTModule(**DiTModule.upgrade_hparams(options))
 
-    class Clock(Callback):
-        """Optimizer seconds and training wall seconds so far at every step; in the stable run, a checkpoint at each
-        branch point (its writing time excluded from the wall clock) and the clocks there."""
+    class Clock(StepClock):
+        """The clocks of every step; in the stable run, a checkpoint at each branch point (its writing time excluded
+        from the wall clock) and the clocks there."""
 
         def __init__(self, start: tuple[float, float] = (0.0, 0.0), save: bool = False) -> None:
-            self.optimizer_seconds, self.wall_offset = start
-            self.excluded, self.save, self.at_branch = 0.0, save, {}
+            super().__init__(*start)
+            self.save, self.at_branch = save, {}
 
-        def on_train_start(self, trainer, pl_module) -> None:
-            self._start = time.perf_counter()
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            self._t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            now = time.perf_counter()
-            self.optimizer_seconds += now - self._t0
-            self.wall = self.wall_offset + now - self._start - self.excluded
+        def on_step(self, trainer, now: float) -> None:
             if self.save and trainer.global_step in branch_at:
                 trainer.save_checkpoint(work / f"branch_{trainer.global_step}.ckpt")
                 self.at_branch[trainer.global_step] = (self.optimizer_seconds, self.wall)
@@ -278,7 +269,7 @@ class Sweep:
 def tuning_loss(rows: list[dict[str, Any]], config: str, arm: str, lr: float, T: int) -> float:
     """Mean validation loss at the end of budget ``T`` over the tuning seeds (inf if any diverged)."""
     losses = [
-        _f(r["val_loss"])
+        as_float(r["val_loss"])
         for r in rows
         if r["config"] == config
         and r["arm"] == arm

@@ -20,7 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# the reference recipes live with their tests (tests/metrics/test_metrics_fidelity.py, test_geneval2.py), which need
+# the tests' helpers: the one benchmark that still imports test code (#45 leaves it)
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "metrics")]
 
 import test_geneval2 as g2ref  # noqa: E402
 import test_metrics_fidelity as ref  # noqa: E402
@@ -151,7 +154,7 @@ def hps_row(files: dict, size: int) -> dict:
 def geneval2_rows(judge: Path, benchmark: Path, size: int) -> list[dict]:
     """Soft-TIFA atom probabilities against the judge asked the plain transformers way, one image and question at a
     time; the score against the reference's aggregation (scipy ``gmean``)."""
-    from helpers import GENEVAL2_ROWS
+    from fixtures import GENEVAL2_ROWS
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from lightning_muon.metrics.geneval2 import GenEval2
@@ -206,7 +209,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         files = ref.make_clip_files(root)
-        from helpers import geneval2_benchmark, tiny_vlm_judge
+        from fixtures import geneval2_benchmark, tiny_vlm_judge
 
         judge, benchmark = tiny_vlm_judge(root / "judge"), geneval2_benchmark(root / "geneval2_data.jsonl")
         for size in args.sizes:

@@ -169,8 +169,7 @@ def judge_rows(judge: str | None, device: str, images: int, size: int) -> list[d
     """GenEval 2 scoring throughput of ``images`` generated-size images over the tests' small benchmark."""
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers import geneval2_benchmark, tiny_vlm_judge
+    from fixtures import geneval2_benchmark, tiny_vlm_judge
 
     from lightning_muon.metrics.geneval2 import GenEval2
 

@@ -10,7 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from quality_study import MUON, PAPER_GAMMA, PLOTS, Arm, Plan, _f, budget, lowest_val_loss, periodic, run_key
+from quality_study import MUON, PAPER_GAMMA, PLOTS, Arm, Plan, budget, lowest_val_loss, periodic, run_key
+from study import as_float
 
 #: time-to-target: the targets are these multiples of Muon's mean best FD (on the descent; within 10% of the best)
 TARGETS_OF_MUON = (2.0, 1.1)
@@ -60,12 +61,12 @@ def runs_of(rows: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
 
 def first_reaching(run_rows: list[dict[str, Any]], target: float, clock: str) -> float:
     """``clock`` (a CSV column) at the first evaluation whose FD is at most ``target``; NaN if none is."""
-    return next((_f(r[clock]) for r in run_rows if _f(r["fd"]) <= target), math.nan)
+    return next((as_float(r[clock]) for r in run_rows if as_float(r["fd"]) <= target), math.nan)
 
 
 def fd_at(run_rows: list[dict[str, Any]], wall: float) -> float:
     """FD at ``wall`` training seconds, linear between evaluations (NaN outside the run)."""
-    points = [(_f(r["wall_seconds"]), _f(r["fd"])) for r in run_rows]
+    points = [(as_float(r["wall_seconds"]), as_float(r["fd"])) for r in run_rows]
     for (t0, f0), (t1, f1) in zip(points, points[1:]):
         if t0 <= wall <= t1:
             return f0 + (f1 - f0) * (wall - t0) / (t1 - t0) if t1 > t0 else f1
@@ -73,24 +74,24 @@ def fd_at(run_rows: list[dict[str, Any]], wall: float) -> float:
 
 
 def summarize(run_rows: list[dict[str, Any]]) -> dict[str, float]:
-    best = min(run_rows, key=lambda r: _f(r["fd"]) if math.isfinite(_f(r["fd"])) else math.inf)
+    best = min(run_rows, key=lambda r: as_float(r["fd"]) if math.isfinite(as_float(r["fd"])) else math.inf)
     last, steps = run_rows[-1], int(run_rows[-1]["step"])
     val_loss = lowest_val_loss(run_rows)
     return {
-        "best_fd": _f(best["fd"]),
+        "best_fd": as_float(best["fd"]),
         "best_step": int(best["step"]),
         "last_step": steps,
         "val_loss": val_loss if math.isfinite(val_loss) else math.nan,
-        "precision": _f(best["precision"]),
-        "recall": _f(best["recall"]),
-        "wall_to_best": _f(best["wall_seconds"]),
-        "opt_to_best": _f(best["optimizer_seconds"]),
-        "wall": _f(last["wall_seconds"]),
-        "opt_ms": 1000 * _f(last["optimizer_seconds"]) / steps,
-        "step_ms": 1000 * _f(last["wall_seconds"]) / steps,
-        "refreshes": _f(last["refreshes"]) / steps,
-        "gamma_descent": _f(last["gamma_descent"]),
-        "gamma_rms": _f(last["gamma_rms"]),
+        "precision": as_float(best["precision"]),
+        "recall": as_float(best["recall"]),
+        "wall_to_best": as_float(best["wall_seconds"]),
+        "opt_to_best": as_float(best["optimizer_seconds"]),
+        "wall": as_float(last["wall_seconds"]),
+        "opt_ms": 1000 * as_float(last["optimizer_seconds"]) / steps,
+        "step_ms": 1000 * as_float(last["wall_seconds"]) / steps,
+        "refreshes": as_float(last["refreshes"]) / steps,
+        "gamma_descent": as_float(last["gamma_descent"]),
+        "gamma_rms": as_float(last["gamma_rms"]),
     }
 
 
@@ -413,8 +414,8 @@ def plot_curves(study: Study, out_dir: Path) -> None:
         for arm in arms:
             runs = list(study.seeds(arm).values())
             n = min(len(v) for v in runs)
-            xs = [mean_se([_f(v[i][x]) for v in runs])[0] for i in range(n)]
-            ys = [mean_se([_f(v[i]["fd"]) for v in runs]) for i in range(n)]
+            xs = [mean_se([as_float(v[i][x]) for v in runs])[0] for i in range(n)]
+            ys = [mean_se([as_float(v[i]["fd"]) for v in runs]) for i in range(n)]
             mean = [m for m, _ in ys]
             ax.plot(xs, mean, marker="o", ms=2, label=f"{arm.name}, lr {study.lr(arm):g} (n={len(runs)})")
             ax.fill_between(xs, [m - 2 * s for m, s in ys], [m + 2 * s for m, s in ys], alpha=0.2)

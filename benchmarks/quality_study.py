@@ -33,16 +33,23 @@ known). ``--jobs`` trains runs in parallel processes (``--threads`` each).
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import json
 import math
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from study import (
+    CONFIGS,
+    RUN_OPTIONS,
+    StepClock,
+    as_float,
+    digits_evaluation,
+    execute_planned,
+    muon_state,
+    quality_of,
+    run_study,
+)
 
 COLUMNS = [
     "config",
@@ -68,74 +75,7 @@ COLUMNS = [
     "gamma_rms",  # the same for the RMS-matched γ
 ]
 
-#: the configurations: digits resolution and DiT kwargs, the default step budget and evaluation period
-CONFIGS: dict[str, dict[str, Any]] = {
-    "digits8": {
-        "image_size": 8,
-        "steps": 2000,
-        "eval_every": 100,
-        "model_config": {
-            "num_attention_heads": 4,
-            "attention_head_dim": 16,
-            "in_channels": 1,
-            "num_layers": 3,
-            "sample_size": 8,
-            "patch_size": 2,
-            "num_embeds_ada_norm": 10,
-        },
-    },
-    "digits16": {
-        "image_size": 16,
-        "steps": 3000,
-        "eval_every": 200,
-        "model_config": {
-            "num_attention_heads": 6,
-            "attention_head_dim": 32,
-            "in_channels": 1,
-            "num_layers": 6,
-            "sample_size": 16,
-            "patch_size": 4,
-            "num_embeds_ada_norm": 10,
-        },
-    },
-}
 PAPER_GAMMA = 0.15
-#: DiTModule options every study run shares beside its arm's and its lr (NS in float32: the same arithmetic whether
-#: or not the CPU has native bf16, which the default would pick)
-RUN_OPTIONS: dict[str, Any] = dict(ema_decay=0.995, cfg_dropout=0.1, nonfinite="skip", ns_dtype="float32")
-#: what each evaluation of a study run measures, as CSV columns: the GenerationEvaluation keys they come from
-QUALITY_COLUMNS = {
-    "fd": "eval/fd_digits",
-    "precision": "eval/precision_digits",
-    "recall": "eval/recall_digits",
-    "density": "eval/density_digits",
-    "coverage": "eval/coverage_digits",
-}
-
-
-def digits_evaluation(every_n_steps: int, args: argparse.Namespace, cls: type | None = None, seed: int = 0):
-    """The evaluation of every study run: digits FD and PRDC of ``args.samples`` EMA samples (sample i seeded
-    ``seed + i``), no grid, the reference statistics shared by every run under ``args.work`` (computed once)."""
-    from lightning_muon.callbacks import GenerationEvaluation
-
-    return (cls or GenerationEvaluation)(
-        suite={"metrics": ["fd_digits", "prdc_digits"]},
-        sampling={
-            "num_samples": args.samples,
-            "num_inference_steps": args.inference_steps,
-            "batch_size": 250,
-            "seed": seed,
-        },
-        every_n_steps=every_n_steps,
-        grid_size=0,
-        progress=False,
-        reference_dir=str(Path(args.work) / "eval_reference"),
-    )
-
-
-def quality_of(entry: dict[str, Any]) -> dict[str, Any]:
-    """An evaluation's ``QUALITY_COLUMNS``."""
-    return {column: entry.get(key) for column, key in QUALITY_COLUMNS.items()}
 
 
 PLOTS = "quality_study_"  # prefix of the PNG files beside the CSV
@@ -198,7 +138,6 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train ``run`` and return one row per evaluated step."""
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import Callback
 
     from lightning_muon.callbacks import GenerationEvaluation
     from lightning_muon.recipes.data import DigitsDataModule
@@ -222,26 +161,18 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     module = DiTModule(**DiTModule.upgrade_hparams(options))
     data = DigitsDataModule(batch_size=64, image_size=spec["image_size"])
 
-    class Clock(Callback):
-        """Cumulative optimizer seconds and training wall seconds (evaluation excluded), NS5 refreshes per matrix
-        and the calibrated γ means, at each evaluated step; the validation loss of each evaluation."""
+    class Clock(StepClock):
+        """The clocks (evaluations excluded from the wall clock), NS5 refreshes per matrix and the calibrated γ
+        means at each evaluated step; the validation loss of each evaluation."""
 
         def __init__(self) -> None:
-            self.optimizer_seconds, self.eval_seconds, self.snapshots, self.val = 0.0, 0.0, {}, {}
-            self._t0 = self._start = 0.0
+            super().__init__()
+            self.snapshots, self.val = {}, {}
 
-        def on_train_start(self, trainer, pl_module) -> None:
-            self._start = time.perf_counter()
-
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            self._t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            now = time.perf_counter()
-            self.optimizer_seconds += now - self._t0
+        def on_step(self, trainer, now: float) -> None:
             if trainer.global_step % eval_every == 0:
-                wall = now - self._start - self.eval_seconds
-                self.snapshots[trainer.global_step] = (self.optimizer_seconds, wall, *muon_state(trainer.optimizers[0]))
+                state = muon_state(trainer.optimizers[0])
+                self.snapshots[trainer.global_step] = (self.optimizer_seconds, self.wall, *state)
 
         def on_validation_end(self, trainer, pl_module) -> None:
             loss = trainer.callback_metrics.get("val/loss")
@@ -254,7 +185,7 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
             try:
                 return super().evaluate(trainer, pl_module, monitorable)
             finally:
-                clock.eval_seconds += time.perf_counter() - start
+                clock.excluded += time.perf_counter() - start
 
     clock = Clock()
     evaluation = digits_evaluation(eval_every, args, EvalTimer)
@@ -302,25 +233,6 @@ def train_one(run: Run, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def muon_state(optimizer) -> tuple[float, float, float]:
-    """(NS5 refreshes per Muon matrix, mean descent-matched γ, mean RMS-matched γ) — the γ means only where the
-    optimizer measured them (``rownorm_scale="auto"`` / ``"auto_rms"``), NaN elsewhere; 0 refreshes for AdamW."""
-    import re
-
-    import torch
-
-    if not hasattr(optimizer, "refresh_counts"):
-        return 0.0, math.nan, math.nan
-    counts = optimizer.refresh_counts()
-    groups = [v for k, v in counts.items() if re.fullmatch(r"group\d+", k)]
-    per_matrix = sum(groups) / max(1, len(counts) - len(groups))
-    scales = [s["refresh_scales"] for s in optimizer.state.values() if "refresh_scales" in s]
-    if not scales:
-        return per_matrix, math.nan, math.nan
-    descent, rms = torch.stack(scales).mean(0).tolist()
-    return per_matrix, descent, rms
-
-
 def budget(config: str, args: argparse.Namespace) -> tuple[int, int]:
     """(steps, evaluation period) of ``config``: ``--steps`` / ``--eval-every`` or the config's defaults."""
     return args.steps or CONFIGS[config]["steps"], args.eval_every or CONFIGS[config]["eval_every"]
@@ -336,33 +248,11 @@ def _worker(run: Run, ns: dict) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------------ planning
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    with path.open() as f:
-        return [dict(r) for r in csv.DictReader(f)]
-
-
-def append_rows(path: Path, rows: list[dict[str, Any]], columns: list[str] = COLUMNS) -> None:
-    new = not path.is_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
-
-
-def _f(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def lowest_val_loss(run_rows: list[dict[str, Any]]) -> float:
     """The lowest finite validation loss among one run's rows (inf: the run diverged or has no rows)."""
-    return min((x for x in (_f(r["val_loss"]) for r in run_rows) if math.isfinite(x)), default=math.inf)
+    return min((x for x in (as_float(r["val_loss"]) for r in run_rows) if math.isfinite(x)), default=math.inf)
 
 
 def best_val_loss(rows: list[dict[str, Any]], key: tuple) -> float:
@@ -442,39 +332,6 @@ def execute(rows: list[dict[str, Any]], args: argparse.Namespace, csv_path: Path
     execute_planned(rows, args, csv_path, lambda: plan(rows, args).runs, run_key, _worker, COLUMNS)
 
 
-def execute_planned(rows, args, csv_path: Path, planned, key_of_row, worker, columns: list[str]) -> None:
-    """The resumable loop of both studies: ``planned()`` (recomputed after every job) lists jobs with a ``.key``;
-    those whose key no CSV row has are run by ``worker(job, args)`` in ``--jobs`` spawned processes, and each job's
-    rows are appended to ``csv_path`` (and ``rows``) as soon as it ends."""
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-    from multiprocessing import get_context
-
-    from tqdm.auto import tqdm
-
-    ns = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
-    running: dict = {}
-    bar = tqdm(desc="jobs", unit="job")
-    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        while True:
-            busy = {key_of_row(r) for r in rows} | {job.key for job in running.values()}
-            todo = list({job.key: job for job in planned() if job.key not in busy}.values())
-            free = args.jobs - len(running)
-            for job in todo[:free]:
-                running[pool.submit(worker, job, ns)] = job
-            bar.total = bar.n + len(running) + len(todo[free:])
-            bar.refresh()
-            if not running:
-                break
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                running.pop(future)
-                new_rows = future.result()
-                append_rows(csv_path, new_rows, columns)
-                rows.extend({k: str(v) for k, v in r.items()} for r in new_rows)
-                bar.update()
-    bar.close()
-
-
 # --------------------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -514,29 +371,6 @@ def main(argv: list[str] | None = None) -> None:
     args.work = str(Path(args.out) / ".quality_study_work")
     page = lambda rows, out: report(rows, plan(rows, args), args, out)  # noqa: E731
     run_study(parser, args, argv, "quality_study.py", "quality_study", COLUMNS, execute, page)
-
-
-def run_study(parser, args, argv, script: str, name: str, columns: list[str], execute, report_page) -> None:
-    """The shared part of both studies' ``main``: ``<out>/<name>.csv`` read and checked, the command and machine
-    recorded in ``<name>.json``, the planned jobs trained unless ``--report-only``, and ``report_page(rows, out)``
-    written and printed."""
-    args.command = f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
-    args.machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.device}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path = out / f"{name}.csv"
-    rows = read_rows(csv_path)
-    if args.report_only and not rows:
-        parser.error(f"--report-only: {csv_path} has no rows; run the study first.")
-    if rows and not set(columns) <= set(rows[0]):
-        parser.error(f"{csv_path} lacks columns {sorted(set(columns) - set(rows[0]))}; it is not this study's CSV.")
-    provenance = out / f"{name}.json"
-    if not args.report_only:
-        provenance.write_text(json.dumps({"command": args.command, "machine": args.machine}))
-        execute(rows, args, csv_path)
-    elif provenance.is_file():  # the page keeps naming the command that trained the jobs
-        vars(args).update(json.loads(provenance.read_text()))
-    print(report_page(rows, out))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,11 @@ FD (edge extension, confirmation only after every choice), the paired t on ln FD
 and Holm's step-down decisions against a worked example. Each with a control."""
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import frontier_confirm as fc  # noqa: E402
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import frontier_study as fs  # noqa: E402
 
 # spelled out here (importing the script's list would let it drift unnoticed)

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import quality_study as qs  # noqa: E402
 
 # the columns the study must write, spelled out here (importing the script's list would let it drift unnoticed)

@@ -2,12 +2,7 @@
 ``benchmarks/step_census.py``: a typical step makes FSDP2's and the optimizer's collectives and nothing else, and no
 host read from this package or from Lightning. Control (slow): a per-step ``sync_dist=True`` log is found."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from step_census import census  # noqa: E402
 
 pytestmark = pytest.mark.distributed

@@ -1,5 +1,5 @@
 """Nothing lost, nothing exhausted: sizes from a checkpoint checked before allocation, crash-consistent writes on a
-full disk, and the fault matrix (``tests/faults/matrix.py``; ``python benchmarks/faults.py --matrix``).
+full disk, and the fault matrix (``benchmarks/fault_injection/matrix.py``; ``python benchmarks/faults.py --matrix``).
 
 Full disks are real small filesystems (a tmpfs mounted by the test, which needs root / CAP_SYS_ADMIN: the tests that
 need one skip without it, saying so).

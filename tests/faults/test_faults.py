@@ -35,7 +35,7 @@ from lightning_muon.checkpoint import (
 )
 from lightning_muon.parallelize import free_port
 
-HARNESS = Path(__file__).parent / "harness.py"
+HARNESS = Path(__file__).parents[2] / "benchmarks" / "fault_injection" / "harness.py"
 
 
 class Payload:

@@ -7,9 +7,10 @@ sees an externally launched job exactly as under torchrun. Each rank runs a real
 ``PeriodicRowwiseMuon`` and writes its stdout/stderr to ``<out>/<trial>/rank<r>.log`` (a rank still running at its
 deadline has its stacks dumped there before it is killed).
 
-    python tests/faults/harness.py raise --out DIR          # rank failure propagation, 2 and 3 ranks
-    python tests/faults/harness.py kill --trials 20 --out DIR
-    python tests/faults/harness.py chain --out DIR          # epoch-end resumes with/without repair; no checkpoint
+    cd benchmarks/fault_injection
+    python harness.py raise --out DIR          # rank failure propagation, 2 and 3 ranks
+    python harness.py kill --trials 20 --out DIR
+    python harness.py chain --out DIR          # epoch-end resumes with/without repair; no checkpoint
 
 Both write ``<out>/report.json`` (read by tests/faults/test_faults.py) and print a summary.
 """

@@ -1,5 +1,5 @@
-"""Callbacks the fault matrix adds to a run (``tests/faults`` is on its ``PYTHONPATH``): a signal delivered to the
-process itself at a chosen step — while a checkpoint is being saved, or between steps."""
+"""Callbacks the fault matrix adds to a run (this folder is on its ``PYTHONPATH``): a signal delivered to the process
+itself at a chosen step — while a checkpoint is being saved, or between steps."""
 
 from __future__ import annotations
 

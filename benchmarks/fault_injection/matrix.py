@@ -7,7 +7,7 @@ Full disks and read-only directories are real: a tmpfs of a computed size (or mo
 cache or output directory, so the kernel returns ``ENOSPC`` / ``EROFS`` exactly where the row says (sizes in pages,
 measured on the uninterrupted run: the checkpoint directory holds ``metrics.jsonl`` and the checkpoints, the
 TensorBoard logs live elsewhere). Mounting needs root (CAP_SYS_ADMIN); without it :func:`can_mount` is false.
-Signals are sent by a callback to its own process (``tests/faults/signals.py``) at a chosen step: from inside a
+Signals are sent by a callback to its own process (``signals.py`` beside this file) at a chosen step: from inside a
 checkpoint's save (SIGTERM) or between steps (SIGUSR1 with Slurm's environment: Lightning's requeue path).
 
     python benchmarks/faults.py --matrix        # the table in docs/reliability.md
