@@ -4,7 +4,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from fixtures import GENEVAL2_ROWS, geneval2_benchmark, tiny_vlm_judge  # noqa: F401  (the tests import them from here)
 
 from lightning_muon.parallelize import free_port
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from dist_workers import geneval2_worker
-from helpers import GENEVAL2_ROWS, geneval2_benchmark, run_distributed, tiny_vlm_judge
+from fixtures import GENEVAL2_ROWS, geneval2_benchmark, tiny_vlm_judge
+from helpers import run_distributed
 
 from lightning_muon.metrics.geneval2 import GenEval2, load_geneval2
 

@@ -15,15 +15,14 @@ import sys
 import pytest
 import torch
 import yaml
+from fixtures import geneval2_benchmark, tiny_vlm_judge
 from helpers import (
-    geneval2_benchmark,
     image_folder,
     random_inception_state_dict,
     tiny_dinov2,
     tiny_open_clip_config,
     tiny_text_encoder,
     tiny_vae,
-    tiny_vlm_judge,
 )
 
 from lightning_muon.parallelize import free_port
