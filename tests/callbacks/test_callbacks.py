@@ -259,6 +259,7 @@ def test_evaluate_two_runs_writes_csv_markdown_png_and_resumes(cache, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 43 s; every shipped config's end-to-end run (slow set) also evaluates its distributed checkpoints
 def test_evaluate_reads_distributed_checkpoints(cache, tmp_path):
     cmd = [
         sys.executable,

@@ -225,6 +225,7 @@ def test_a_rank_that_raises_ends_every_rank_within_seconds(raise_report, case):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # 30 s; the default set keeps test_a_rank_that_raises_ends_every_rank_within_seconds (4 cases)
 def test_torchrun_reports_the_failing_rank_as_root_cause(tmp_path):
     start = time.time()
     proc = subprocess.run(
