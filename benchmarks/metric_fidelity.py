@@ -2,8 +2,8 @@
 test guards moves it: the metric table in docs/metrics.md, as a table and JSON.
 
 Same random-init weights (the real architectures' geometry) and the same uint8 images at 64, 256 and 512 px as
-``tests/metrics/test_metrics_fidelity.py``, whose reference recipes (torch-fidelity and clean-fid called directly;
-dgm-eval, google-research/cmmd and hpsv2 re-typed from their sources) this script reuses.
+``tests/metrics/test_metrics_fidelity.py``, and the same reference recipes (``metric_references.py``: torch-fidelity and
+clean-fid called directly; dgm-eval, google-research/cmmd and hpsv2 re-typed from their sources).
 
     python benchmarks/metric_fidelity.py
 """
@@ -12,24 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
+import metric_references as ref
 import numpy as np
 import torch
+from fixtures import GENEVAL2_ROWS, geneval2_benchmark, tiny_vlm_judge
 
-# the reference recipes live with their tests (tests/metrics/test_metrics_fidelity.py, test_geneval2.py), which need
-# the tests' helpers: the one benchmark that still imports test code (#45 leaves it)
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(TESTS), str(TESTS / "metrics")]
-
-import test_geneval2 as g2ref  # noqa: E402
-import test_metrics_fidelity as ref  # noqa: E402
-
-from lightning_muon.metrics import ClipFeatures, DinoV2Features, HPSv2Score  # noqa: E402
-from lightning_muon.metrics import features as F  # noqa: E402
+from lightning_muon.metrics import ClipFeatures, DinoV2Features, HPSv2Score
+from lightning_muon.metrics import features as F
 
 
 def rel(a: float, b: float) -> float:
@@ -154,7 +147,6 @@ def hps_row(files: dict, size: int) -> dict:
 def geneval2_rows(judge: Path, benchmark: Path, size: int) -> list[dict]:
     """Soft-TIFA atom probabilities against the judge asked the plain transformers way, one image and question at a
     time; the score against the reference's aggregation (scipy ``gmean``)."""
-    from fixtures import GENEVAL2_ROWS
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from lightning_muon.metrics.geneval2 import GenEval2
@@ -167,13 +159,13 @@ def geneval2_rows(judge: Path, benchmark: Path, size: int) -> list[dict]:
     model = AutoModelForImageTextToText.from_pretrained(str(judge), local_files_only=True).eval()
     rows = [GENEVAL2_ROWS[i] for i in samples]
     expected = [
-        [g2ref.reference_probability(model, processor, x, q, a) for q, a in row["vqa_list"]]
+        [ref.reference_probability(model, processor, x, q, a) for q, a in row["vqa_list"]]
         for x, row in zip(images, rows)
     ]
     flat = torch.tensor([p for s in expected for p in s])
     ours = torch.cat(metric.atom_probabilities(images, samples))
     metric.update(images, samples)
-    score, reference_score = float(metric.compute()["geneval2"]), g2ref.reference_report(expected, rows)["geneval2"]
+    score, reference_score = float(metric.compute()["geneval2"]), ref.reference_report(expected, rows)["geneval2"]
     metric.judge.processor.tokenizer.padding_side = "right"
     right_padded = torch.cat(metric.atom_probabilities(images, samples))
     arithmetic = 100 * float(np.mean([np.mean(s) for s in expected]))
@@ -209,8 +201,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         files = ref.make_clip_files(root)
-        from fixtures import geneval2_benchmark, tiny_vlm_judge
-
         judge, benchmark = tiny_vlm_judge(root / "judge"), geneval2_benchmark(root / "geneval2_data.jsonl")
         for size in args.sizes:
             rows += geneval2_rows(judge, benchmark, size)

@@ -148,53 +148,6 @@ def tiny_text_encoder(path):
     ).save_pretrained(path)
 
 
-def tiny_open_clip_config(tmp_path):
-    import json
-
-    import open_clip
-
-    cfg = {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 16},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1},
-    }
-    (tmp_path / "tiny-test-clip.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(tmp_path / "tiny-test-clip.json")
-    torch.manual_seed(0)
-    model = open_clip.create_model("tiny-test-clip", pretrained=None)
-    path = tmp_path / "tiny_clip.pt"
-    torch.save({"state_dict": {f"module.{k}": v for k, v in model.state_dict().items()}, "epoch": 1}, path)
-    return model, path
-
-
-def random_inception_state_dict():
-    """torch-fidelity's FID InceptionV3 layer layout with random weights (what its weights file holds)."""
-    from torch import nn
-    from torch_fidelity import feature_extractor_inceptionv3 as tf
-
-    torch.manual_seed(0)
-    layers = {
-        "Conv2d_1a_3x3": tf.BasicConv2d(3, 32, kernel_size=3, stride=2),
-        "Conv2d_2a_3x3": tf.BasicConv2d(32, 32, kernel_size=3),
-        "Conv2d_2b_3x3": tf.BasicConv2d(32, 64, kernel_size=3, padding=1),
-        "Conv2d_3b_1x1": tf.BasicConv2d(64, 80, kernel_size=1),
-        "Conv2d_4a_3x3": tf.BasicConv2d(80, 192, kernel_size=3),
-        "Mixed_5b": tf.InceptionA(192, pool_features=32),
-        "Mixed_5c": tf.InceptionA(256, pool_features=64),
-        "Mixed_5d": tf.InceptionA(288, pool_features=64),
-        "Mixed_6a": tf.InceptionB(288),
-        "Mixed_6b": tf.InceptionC(768, channels_7x7=128),
-        "Mixed_6c": tf.InceptionC(768, channels_7x7=160),
-        "Mixed_6d": tf.InceptionC(768, channels_7x7=160),
-        "Mixed_6e": tf.InceptionC(768, channels_7x7=192),
-        "Mixed_7a": tf.InceptionD(768),
-        "Mixed_7b": tf.InceptionE_1(1280),
-        "Mixed_7c": tf.InceptionE_2(2048),
-        "fc": nn.Linear(2048, 1008),
-    }
-    return nn.ModuleDict(layers).state_dict()
-
-
 def tiny_vae(path, latent_channels: int = 4):
     """A random-init ``AutoencoderKL`` (downsampling 2x) saved with save_pretrained."""
     from diffusers import AutoencoderKL

@@ -326,7 +326,8 @@ def test_generation_evaluation_on_every_checkpoint(cache, tmp_path):
 
 def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
     """A tiny PixArt with a tiny T5 generates for prompts i mod P; HPSv2 scores exactly those image-prompt pairs."""
-    from helpers import tiny_open_clip_config, tiny_text_encoder
+    from fixtures import tiny_open_clip_config
+    from helpers import tiny_text_encoder
 
     from lightning_muon.metrics import FrechetDistance, HPSv2Score
     from lightning_muon.metrics.evaluation import prepare_references, score_generation

@@ -17,13 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fixtures import random_inception_state_dict, tiny_open_clip_config
 from helpers import (
     TINY_DIT,
     distributed_checkpoint,
     fork_ranks,
-    random_inception_state_dict,
     tiny_dinov2,
-    tiny_open_clip_config,
     tiny_vae,
 )
 

@@ -10,10 +10,9 @@ import torch
 from dist_workers import geneval2_worker
 from fixtures import GENEVAL2_ROWS, geneval2_benchmark, tiny_vlm_judge
 from helpers import run_distributed
+from metric_references import reference_probability, reference_report
 
 from lightning_muon.metrics.geneval2 import GenEval2, load_geneval2
-
-NUMBERS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 
 
 @pytest.fixture(scope="module")
@@ -28,46 +27,6 @@ def assets(tmp_path_factory):
         "images": images,
         "samples": [0, 1, 2, 1],  # prompt 1 twice
     }
-
-
-def reference_probability(model, processor, image, question, answer):
-    """One image, one question, as the reference asks it; P(answer) summed over its distinct one-token spellings."""
-    from PIL import Image
-
-    picture = Image.fromarray(image.permute(1, 2, 0).numpy())
-    content = [{"type": "image", "image": picture}, {"type": "text", "text": f"{question} Answer in one word."}]
-    inputs = processor.apply_chat_template(
-        [{"role": "user", "content": content}],
-        add_generation_prompt=True,
-        tokenize=True,
-        return_dict=True,
-        return_tensors="pt",
-    )
-    with torch.no_grad():
-        probs = model(**inputs).logits[0, -1].float().softmax(-1)
-    if question.startswith("How many"):
-        digits = str(NUMBERS.index(answer) + 1)
-        spellings = [answer, answer.capitalize(), " " + answer, " " + answer.capitalize(), digits, " " + digits]
-    else:
-        spellings = ["Yes", "yes", " yes", " Yes"]
-    ids = {tuple(processor.tokenizer.encode(s, add_special_tokens=False)) for s in spellings}
-    return float(sum(probs[i[0]] for i in ids if len(i) == 1))
-
-
-def reference_report(score_lists, rows):
-    """The reference's aggregation: mean of per-image gmean; skills pooled over atoms; atomicity mean of gmeans."""
-    from scipy.stats import gmean
-
-    report = {"geneval2": 100 * np.mean([gmean(s) for s in score_lists])}
-    report["geneval2_am"] = 100 * np.mean([np.mean(s) for s in score_lists])
-    for skill in ("object", "attribute", "count", "position", "verb"):
-        pooled = [p for s, r in zip(score_lists, rows) for p, k in zip(s, r["skills"]) if k == skill]
-        if pooled:
-            report[f"geneval2_skill_{skill}"] = 100 * np.mean(pooled)
-    for n in sorted({r["atom_count"] for r in rows}):
-        gms = [gmean(s) for s, r in zip(score_lists, rows) if r["atom_count"] == n]
-        report[f"geneval2_atoms_{n}"] = 100 * np.mean(gms)
-    return report
 
 
 @pytest.fixture(scope="module")

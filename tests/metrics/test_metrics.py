@@ -2,14 +2,13 @@
 
 import pytest
 import torch
+from fixtures import random_inception_state_dict, tiny_open_clip_config
 from helpers import (
     ddp_metric_worker,
     digits_images,
     digits_metrics,
     metric_values,
-    random_inception_state_dict,
     run_distributed,
-    tiny_open_clip_config,
 )
 
 from lightning_muon.metrics import (

@@ -15,12 +15,10 @@ import sys
 import pytest
 import torch
 import yaml
-from fixtures import geneval2_benchmark, tiny_vlm_judge
+from fixtures import geneval2_benchmark, random_inception_state_dict, tiny_open_clip_config, tiny_vlm_judge
 from helpers import (
     image_folder,
-    random_inception_state_dict,
     tiny_dinov2,
-    tiny_open_clip_config,
     tiny_text_encoder,
     tiny_vae,
 )
