@@ -233,12 +233,7 @@ class GenerationEvaluation(Callback):
             values, grid, higher_is_better = score_generation(
                 pl_module,
                 self.metrics,
-                self.sampling.num_samples,
-                self.sampling.num_classes,
-                self.sampling.seed,
-                self.sampling.num_inference_steps,
-                self.sampling.guidance_scale,
-                self.sampling.batch_size,
+                self.sampling,
                 self.grid_size,
                 self.progress,
                 desc,

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -186,10 +186,6 @@ class Sampling:
     prompts_file: str | None = _option("text-to-image: one prompt per line, sample i gets prompt i mod lines")
 
 
-def suite_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(MetricSuite))
-
-
 def sample_conditions(indices: Tensor, num_classes: int, seed: int) -> tuple[Tensor, Tensor]:
     """Sample i has class ``i mod num_classes`` and noise seed ``seed + i``: the same on any number of ranks."""
     return indices % num_classes, seed + indices
@@ -287,30 +283,28 @@ def _generate_share(
     module: Any,
     count: int,
     conditions_of: Callable[[Tensor], Any],
-    seed: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    batch_size: int,
+    sampling: Sampling,
     progress: bool,
     desc: str,
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """This rank's samples i ≡ rank (mod W) of ``count``, as ``(images, global indices)`` batches: sample i is
-    conditioned on ``conditions_of(i)`` with seed ``seed + i``. Every rank runs the same number of equal-sized
-    batches (padded; the padding is dropped here), as FSDP needs every rank in every forward."""
+    conditioned on ``conditions_of(i)`` with seed ``sampling.seed + i``. Every rank runs the same number of
+    equal-sized batches (padded; the padding is dropped here), as FSDP needs every rank in every forward."""
     from tqdm.auto import tqdm
 
     rank, world = rank_and_world()
     per_rank = -(-count // world)
     indices = torch.arange(rank, per_rank * world, world)
     bar = progress and rank == 0 and sys.stderr.isatty()  # a redirected run prints LineProgress lines instead
+    batch_size = sampling.batch_size
     for b in tqdm(range(0, per_rank, batch_size), desc=desc, disable=not bar, leave=False):
         idx = indices[b : b + batch_size]
         keep = idx < count
         images = module.generate(  # padding samples repeat a real one's condition
             conditions_of(idx % count),
-            (seed + idx).tolist(),
-            num_inference_steps,
-            guidance_scale,
+            (sampling.seed + idx).tolist(),
+            sampling.num_inference_steps,
+            sampling.guidance_scale,
             batch_size=batch_size,
         )
         yield images[keep.to(images.device)], idx[keep]
@@ -329,12 +323,7 @@ class Scores(NamedTuple):
 def score_generation(
     module: Any,
     metrics: dict[str, Any],
-    num_samples: int,
-    num_classes: int,
-    seed: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    batch_size: int,
+    sampling: Sampling,
     grid_size: int = 0,
     progress: bool = True,
     desc: str = "generating",
@@ -342,25 +331,28 @@ def score_generation(
 ) -> Scores:
     """Generate the globally indexed sample set with ``module.generate`` and compute ``metrics`` on it.
 
-    Sample i is conditioned on class ``i mod num_classes``, or with ``prompts`` on prompt ``i mod len(prompts)``
-    (text-to-image; :class:`HPSv2Score` then scores image–prompt pairs); its seed is ``seed + i``. A
-    :class:`GenEval2` metric gets a sample set of its own: each of its benchmark prompts, ``images_per_prompt`` times,
-    with seeds ``seed + j``. Rank r generates the samples i ≡ r (mod W) (see :func:`_generate_share`).
+    ``sampling`` (:class:`Sampling`) says how: ``num_samples`` samples, sample i conditioned on class
+    ``i mod num_classes``, or with ``prompts`` (the lines of ``sampling.prompts_file``, read once by the caller) on
+    prompt ``i mod len(prompts)`` (text-to-image; :class:`HPSv2Score` then scores image–prompt pairs); its seed is
+    ``seed + i``. A :class:`GenEval2` metric gets a sample set of its own: each of its benchmark prompts,
+    ``images_per_prompt`` times, with seeds ``seed + j``. Rank r generates the samples i ≡ r (mod W) (see
+    :func:`_generate_share`).
     """
     start = time.perf_counter()
     for metric in metrics.values():
         metric.reset()
     sets = {name: m for name, m in metrics.items() if isinstance(m, GenEval2)}
     shared = {name: m for name, m in metrics.items() if name not in sets}
-    settings = (seed, num_inference_steps, guidance_scale, batch_size, progress)
+    settings = (sampling, progress)
     grid: list[Tensor] = []
 
     def conditions_of(idx: Tensor) -> Any:
-        return (
-            [prompts[i % len(prompts)] for i in idx.tolist()] if prompts else sample_conditions(idx, num_classes, 0)[0]
-        )
+        if prompts:
+            return [prompts[i % len(prompts)] for i in idx.tolist()]
+        return sample_conditions(idx, sampling.num_classes, 0)[0]
 
-    for images, idx in _generate_share(module, num_samples if shared else 0, conditions_of, *settings, desc):
+    count = sampling.num_samples if shared else 0
+    for images, idx in _generate_share(module, count, conditions_of, *settings, desc):
         for metric in shared.values():
             if isinstance(metric, HPSv2Score):
                 metric.update(images, conditions_of(idx))

@@ -34,7 +34,6 @@ from lightning_muon.metrics.evaluation import (
     read_prompts,
     real_images_of,
     score_generation,
-    suite_fields,
 )
 from lightning_muon.metrics.features import cache_dir
 from lightning_muon.optim.transport import note_gloo_collectives
@@ -195,7 +194,6 @@ def _init_distributed(device: str | None) -> torch.device:
     On CUDA this rank's GPU (``LOCAL_RANK``) becomes the current device before the group exists and is bound to it
     (``device_id``): NCCL collectives, the object collectives (reference statistics, checkpoint metadata) included,
     run on each rank's own GPU — never all on ``cuda:0``."""
-
     world = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available() and device in (None, "cuda")
     rank_device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device(device or "cpu")
@@ -220,6 +218,11 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, kind: type, **overr
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=doc)
         else:
             parser.add_argument(*flags, type=kind_of, default=default, help=doc)
+
+
+def dataclass_from_arguments(kind: type, args: argparse.Namespace, **values: Any) -> Any:
+    """The ``kind`` the flags of :func:`add_dataclass_arguments` describe, ``values`` replacing parsed ones."""
+    return kind(**{f.name: getattr(args, f.name) for f in fields(kind)} | values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,25 +265,14 @@ def _score(
 ) -> dict[str, float]:
     """Generate from one checkpoint's sampling weights and score the samples."""
     num_classes = args.num_classes or meta.get("hyper_parameters", {}).get("num_classes", 10)
-    values, _, _ = score_generation(
-        module,
-        metrics,
-        args.num_samples,
-        num_classes,
-        args.seed,
-        args.num_inference_steps,
-        args.guidance_scale,
-        args.batch_size,
-        desc=desc,
-        prompts=prompts,
-    )
+    sampling = dataclass_from_arguments(Sampling, args, num_classes=num_classes)
+    values, _, _ = score_generation(module, metrics, sampling, desc=desc, prompts=prompts)
     return values
 
 
 def _agreed_error(error: str | None) -> str | None:
     """This rank's load error of a checkpoint agreed over the ranks (one object all-gather): every failing rank's
     message, named by rank, or ``None`` when every rank loaded it — so every rank skips it or scores it together."""
-
     if not dist.is_initialized():
         return error
     errors: list[str | None] = [None] * dist.get_world_size()
@@ -312,7 +304,7 @@ def _evaluate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     out = Path(args.out)
     check_writable(out)  # before any checkpoint is scored
     try:  # a missing weights argument, or a file that is not there: a short error naming it
-        metrics = MetricSuite(**{name: getattr(args, name) for name in suite_fields()}).build()
+        metrics = dataclass_from_arguments(MetricSuite, args).build()
     except (ValueError, FileNotFoundError) as err:
         parser.error(str(err))
     for metric in metrics.values():

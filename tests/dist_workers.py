@@ -105,7 +105,7 @@ def placement_error_worker(rank, world_size):
 def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_samples):
     """Evaluate a fixed tiny DiT on digits metrics; every rank returns the synced values."""
     from lightning_muon.metrics import DigitsFeatures, FrechetDistance, PrecisionRecallDensityCoverage
-    from lightning_muon.metrics.evaluation import prepare_references, score_generation
+    from lightning_muon.metrics.evaluation import Sampling, prepare_references, score_generation
     from lightning_muon.recipes.data import DigitsDataModule
     from lightning_muon.recipes.module import DiTModule
 
@@ -117,7 +117,9 @@ def generation_eval_worker(rank, world_size, classifier_path, cache_dir, num_sam
     features = DigitsFeatures(classifier_path)
     metrics = {"fd_digits": FrechetDistance(features), "prdc_digits": PrecisionRecallDensityCoverage(features)}
     prepare_references(metrics, DigitsDataModule().real_images, cache_dir, "digits", 100)
-    values, _, _ = score_generation(module, metrics, num_samples, 10, 0, 3, 1.0, 16, progress=False)
+    values, _, _ = score_generation(
+        module, metrics, Sampling(num_samples, num_inference_steps=3, batch_size=16), progress=False
+    )
     values.pop("eval/seconds")
     return values
 

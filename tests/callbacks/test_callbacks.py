@@ -330,7 +330,7 @@ def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
     from helpers import tiny_text_encoder
 
     from lightning_muon.metrics import FrechetDistance, HPSv2Score
-    from lightning_muon.metrics.evaluation import prepare_references, score_generation
+    from lightning_muon.metrics.evaluation import Sampling, prepare_references, score_generation
 
     tiny_text_encoder(tmp_path / "t5")
     _, clip_path = tiny_open_clip_config(tmp_path)
@@ -357,7 +357,12 @@ def test_text_to_image_evaluation_scores_prompts_with_hps(cache, tmp_path):
     }
     prepare_references(metrics, DigitsDataModule().real_images, tmp_path / "ref", "digits", 256)
     values, grid, higher = score_generation(
-        module, metrics, 7, 10, 0, 2, 2.0, 4, grid_size=4, progress=False, prompts=prompts
+        module,
+        metrics,
+        Sampling(7, num_inference_steps=2, guidance_scale=2.0, batch_size=4),
+        grid_size=4,
+        progress=False,
+        prompts=prompts,
     )
     assert {"eval/hpsv2", "eval/fd_digits"} <= values.keys() and grid.shape == (4, 3, 8, 8)
     assert higher == {"eval/hpsv2": True, "eval/fd_digits": False}  # each metric's higher_is_better
@@ -490,7 +495,9 @@ def test_evaluate_scores_a_checkpoint_as_the_callback_did_at_its_step(cache, tmp
     module, _ = load_generator(next((tmp_path / "run").rglob("*.ckpt")), torch.device("cpu"))
     saved = torch.load(next((tmp_path / "run").rglob("*.ckpt")), weights_only=True)["state_dict"]
     module.model.load_state_dict({k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")})
-    from lightning_muon.metrics.evaluation import score_generation
+    from lightning_muon.metrics.evaluation import Sampling, score_generation
 
-    values, _, _ = score_generation(module, evaluation.metrics, 48, 10, 0, 3, 1.0, 48, progress=False)
+    values, _, _ = score_generation(
+        module, evaluation.metrics, Sampling(48, num_inference_steps=3, batch_size=48), progress=False
+    )
     assert abs(values["eval/fd_digits"] - callback["eval/fd_digits"]) > 1e-3 * callback["eval/fd_digits"]
