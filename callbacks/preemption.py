@@ -118,7 +118,6 @@ class Preemption(Callback):
         return flags[0], flags[1]
 
     def _save_and_requeue(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-
         update_averages(trainer, pl_module)
         path = compat.hpc_save_path(trainer)
         trainer.save_checkpoint(path)

@@ -109,7 +109,6 @@ class SafeFileSystemReader(FileSystemReader):
     """torch's ``FileSystemReader`` with its metadata read by :class:`MetadataUnpickler` instead of ``pickle.load``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-
         rank = kwargs.get("rank")
         with self.fs.create_stream(self._get_metadata_path(rank), "rb") as f:
             metadata = MetadataUnpickler(f).load()
@@ -124,7 +123,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     ``torch.load(weights_only=True)`` instead of ``weights_only=False``."""
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
-
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -170,7 +168,6 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
 
 def _check_byte_entries(path: Path, metadata: Any) -> None:
     """Read every non-tensor entry (small: optimizer hyper-parameters, …) with ``torch.load(weights_only=True)``."""
-
     byte_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
     for index, info in (metadata.storage_data or {}).items():
         if index.fqn in byte_keys and not info.transform_descriptors:
@@ -230,7 +227,6 @@ def load_distributed(state: dict[str, Any], path: str | os.PathLike) -> None:
         ValueError: naming the checkpoint and the first rank's error (torch raises a ``BaseException``, which
             ``except Exception`` would not catch).
     """
-
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
     except CheckpointException as err:
@@ -258,7 +254,6 @@ def save_distributed_checkpoint(
     Raises:
         StorageError: the disk filled or the directory is not writable (on every rank).
     """
-
     path = Path(path)
     partial, old = path.with_name(f".{path.name}{_PARTIAL}"), path.with_name(f".{path.name}{_OLD}")
 

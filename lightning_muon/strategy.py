@@ -214,7 +214,6 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-
         assert self.model is not None and self.accelerator is not None
         if not any(isinstance(c, Preemption) for c in trainer.callbacks):
             trainer.callbacks.append(Preemption())  # signals agreed by every rank without a per-step collective
@@ -319,7 +318,6 @@ class MuonFSDPStrategy(LoaderResume, ModelParallelStrategy):
         """Resume from a checkpoint, or from the newest complete one under a directory. Nothing is unpickled beyond
         tensors and plain containers; an incomplete or damaged checkpoint is refused before any state is touched.
         Each rank gets back its own dataloader position when the device count is unchanged."""
-
         path = self._checkpoint_chosen_by_rank_zero(checkpoint_path)
         if not is_distributed_checkpoint(path):
             meta = super().load_checkpoint(path, weights_only=True)

@@ -304,7 +304,6 @@ def read_open_clip_state(path: Path) -> dict[str, Tensor]:
     """Weights from a ``.safetensors`` file, OpenAI's TorchScript release (``ViT-L-14-336px.pt``: a TorchScript
     archive, read with ``torch.jit.load``, no pickled Python objects) or a ``torch.save``d state dict / training
     checkpoint ``{"state_dict": ...}`` (HPS v2.1, read with ``weights_only=True``); ``module.`` prefixes removed."""
-
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 

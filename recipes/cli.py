@@ -57,7 +57,6 @@ def upgraded_options(argv: list[str]) -> list[str]:
 def upgraded_config(path: str) -> str:
     """``path``, or a converted copy of it when it was written before the options became objects (flat optimizer
     keys under ``model``, flat metric and sampling arguments of a ``GenerationEvaluation``)."""
-
     config = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(config, dict):
         return path
@@ -120,7 +119,6 @@ class MuonCLI(LightningCLI):
         (:func:`~lightning_muon.recipes.trust.checked_checkpoint`: no class is named, nothing sized by the file is
         allocated). They replace the configured model's, as Lightning does for single files (here also for
         distributed checkpoints). A file that fails is one line naming it and what is wrong (exit code 2)."""
-
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path in (None, "last", "best", "hpc", "registry"):
@@ -136,7 +134,6 @@ class MuonCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """A read-only output directory is one line before anything is built, not a traceback at the first log."""
-
         if self.subcommand:
             check_writable(self.config[self.subcommand].trainer.get("default_root_dir") or ".")
 
@@ -155,7 +152,6 @@ class MuonCLI(LightningCLI):
         :class:`~lightning_muon.callbacks.LineProgress` lines when stdout is redirected (a log file, a Slurm job);
         :class:`~lightning_muon.callbacks.Preemption` (signals acted on between steps), and
         :class:`~lightning_muon.checkpoint.AtomicCheckpointIO` unless a ``CheckpointIO`` plugin is configured."""
-
         config = self._get(self.config_init, "trainer", default={})
         callbacks = list(config.get("callbacks") or [])
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -178,7 +174,6 @@ class MuonCLI(LightningCLI):
 def fit_summary(trainer: L.Trainer) -> str:
     """Best and last evaluation values, the checkpoints, and the ``tensorboard`` command for the run's logs (every
     rank calls it: ``trainer.log_dir`` broadcasts)."""
-
     lines = [f"Trained {trainer.global_step} steps."]
     for evaluation in (c for c in trainer.callbacks if isinstance(c, GenerationEvaluation) and c.history):
         last = evaluation.history[-1]

@@ -254,7 +254,6 @@ def run_checks(
 ) -> list[Result]:
     """Every check not in ``skip``; an exception in one is its FAILED row, the others still run. ``work``: where the
     multi-process checks write (a temporary directory by default)."""
-
     work = Path(work or tempfile.mkdtemp(prefix="lightning_muon_doctor_"))
     checks: dict[str, Callable[[], Result]] = {
         "versions": lambda: versions(device),

@@ -81,7 +81,6 @@ def versions(device: torch.device) -> Result:
 
 
 def bf16(device: torch.device) -> Result:
-
     native = torch.cuda.is_bf16_supported() if device.type == "cuda" else default_ns_dtype(device) == torch.bfloat16
     detail = "native bf16 matmul: NS5 runs in bf16" if native else "no native bf16: NS5 runs in fp32"
     return Result("bf16", "ok", detail, {"native_bf16": float(native)})
@@ -109,7 +108,6 @@ def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def optimizer(device: torch.device, **options: object) -> Result:
     """``options`` go to our optimizer only (a test passes a wrong one to see this check fail)."""
-
     shared = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)  # stated: the two defaults differ
     vanilla = {"period": 1, "ns_eps": 1e-7, "ns_dtype": torch.bfloat16, **shared, **options}
     ours = _run(lambda ps: PeriodicRowwiseMuon(ps, **vanilla), _matrices(device), 6)
@@ -129,7 +127,6 @@ def optimizer(device: torch.device, **options: object) -> Result:
 
 
 def ns5(device: torch.device, hiddens: list[int]) -> Result:
-
     dtype = default_ns_dtype(device)
     figures: dict[str, float | str] = {"dtype": str(dtype).removeprefix("torch.")}
     coefficients = tuple(DEFAULT_NS_COEFFICIENTS)
@@ -149,7 +146,6 @@ def ns5(device: torch.device, hiddens: list[int]) -> Result:
 
 
 def _collective_worker(rank: int, world: int, port: int, mib: int, out: str) -> None:
-
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = mib * 2**20 // 4
@@ -182,7 +178,6 @@ def collectives(device: torch.device, mib: int = 64) -> Result:
 
 
 def fused(device: torch.device) -> Result:
-
     options = dict(lr=0.02, period=3, rownorm_scale=0.15, ns_dtype=torch.float32)
     start = time.perf_counter()
     compiled = _run(lambda ps: PeriodicRowwiseMuon(ps, fused=True, **options), _matrices(device), 6)
@@ -197,7 +192,6 @@ def fused(device: torch.device) -> Result:
 def _shrunk_step(device: torch.device, config: str | None) -> tuple[dict, Any, dict]:
     """The DiT config cut to two blocks (``None`` for a text-to-image config), one optimizer step of it at its per-GPU
     batch on CUDA (2 on a CPU): ``(model options, module, figures)``."""
-
     full = load_config(config or CONFIGS / "dit_xl2_imagenet256.yaml")
     model = {k: v for k, v in full["model"].items() if k not in ("vae_path", "text_encoder_path")}
     if model.get("architecture", "dit") != "dit":

@@ -197,7 +197,6 @@ def transports(args: argparse.Namespace) -> None:
     (collectives return without data: placement, kernels and host syncs are what is checked): ``SHAPES`` sharded
     with FSDP2, K = 3, four steps; on CUDA every step after the first under
     ``torch.cuda.set_sync_debug_mode("error")``. Writes the collectives each transport made."""
-
     on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     compat.init_fake_process_group(rank=0, world_size=8)
     mesh = init_device_mesh(on.type, (8,))

@@ -84,7 +84,6 @@ def release_gloo_workers_at_exit() -> None:
     ``~AsyncAllgatherCoalescedWork`` → ``TensorImpl::decref_pyobject`` → ``gil_scoped_acquire`` → ``take_gil`` →
     ``PyThread_exit_thread`` during ``Py_FinalizeEx`` → ``std::terminate``. Registered when this module is imported,
     so a process whose only collectives are a metric's sync is covered too (seen: a 3-rank reference-cache test)."""
-
     alive = dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend())
     if alive or _carried_gloo:
         time.sleep(GLOO_EXIT_GRACE)
