@@ -57,8 +57,14 @@ def run_forked(code: str, cwd: Path, env: dict[str, str]) -> tuple[int, str]:
     error = cwd / "snippet-error.txt"
 
     def child() -> None:
+        import torch
+
+        # one intra-op thread, and Lightning's launcher told so (it raises the count unless OMP_NUM_THREADS is set):
+        # after a parent that ran OpenMP-parallel work (the doctor's checks), the child's first parallel op hung for
+        # the 600 s below
+        torch.set_num_threads(1)
         os.chdir(cwd)
-        os.environ.update(env)
+        os.environ.update(env, OMP_NUM_THREADS="1")
         try:
             exec(compile(code, "<snippet>", "exec"), {"__name__": "__main__"})
         except BaseException:
